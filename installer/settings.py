@@ -1,0 +1,242 @@
+"""Every environment variable the installer reads, parsed and validated in one place.
+
+Each setting is declared once, with its variable names, default and documentation; README's
+table is checked against this list by the tests. A bad value raises `SettingsError` naming the
+variable, the value and what is accepted. Nothing else in `installer/` reads `os.environ` for
+configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+from urllib.parse import urlparse
+
+from .errors import SettingsError
+
+DEFAULT_RELEASE_URL = "https://github.com/cudelta/cudelta/releases/download/v{version}"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_ARCH_RE = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$", re.IGNORECASE)
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SettingsError(
+        f"{name}={raw!r} is not a boolean; accepted (any case): 1, 0, true, false, yes, no, on, off"
+    )
+
+
+def parse_positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise SettingsError(f"{name}={raw!r} is not accepted; expected a whole number >= 1")
+    return value
+
+
+def parse_non_negative_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise SettingsError(f"{name}={raw!r} is not accepted; expected a whole number >= 0")
+    return value
+
+
+def parse_seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise SettingsError(f"{name}={raw!r} is not accepted; expected a number of seconds > 0")
+    return value
+
+
+def parse_cuda_flavour(name: str, raw: str) -> str:
+    """'13.0', '130', 'cu130' -> '13.0'; 'cpu' / 'none' -> 'cpu' (pure-Python wheel)."""
+    value = raw.strip().lower()
+    if value in {"cpu", "none"}:
+        return "cpu"
+    m = re.fullmatch(r"(?:cu)?(\d+)\.(\d+)", value) or re.fullmatch(r"(?:cu)?(\d{2})(\d)", value)
+    if not m:
+        raise SettingsError(
+            f"{name}={raw!r} is not a CUDA flavour; accepted: 13.0, 130, cu130 (major.minor of "
+            "the CUDA toolkit torch was built with) or cpu"
+        )
+    return f"{int(m.group(1))}.{int(m.group(2))}"
+
+
+def parse_arch_list(name: str, raw: str) -> tuple[str, ...]:
+    """torch's TORCH_CUDA_ARCH_LIST syntax: '8.0;9.0a 10.0f+PTX' -> ('8.0', '9.0a', '10.0f+PTX')."""
+    items = [item for item in re.split(r"[;,\s]+", raw.strip()) if item]
+    bad = [item for item in items if not _ARCH_RE.match(item)]
+    if not items or bad:
+        shown = ", ".join(repr(b) for b in bad) if bad else repr(raw)
+        raise SettingsError(
+            f"{name} has {shown}, which is not a compute capability; accepted: a list of "
+            "MAJOR.MINOR with an optional a/f suffix and +PTX, separated by ';' or spaces, "
+            "e.g. '8.0;9.0a;12.0f+PTX'"
+        )
+    return tuple(_normalise_arch(item) for item in items)
+
+
+def _normalise_arch(item: str) -> str:
+    m = _ARCH_RE.match(item)
+    assert m
+    return f"{int(m.group(1))}.{int(m.group(2))}{m.group(3).lower()}" + ("+PTX" if m.group(4) else "")
+
+
+def parse_url(name: str, raw: str) -> str:
+    value = raw.strip().rstrip("/")
+    parsed = urlparse(value)
+    if parsed.scheme not in {"http", "https", "file"} or (parsed.scheme != "file" and not parsed.netloc):
+        raise SettingsError(
+            f"{name}={raw!r} is not accepted; expected an http://, https:// or file:// URL of "
+            "the folder that holds the release assets"
+        )
+    return value
+
+
+def parse_path(name: str, raw: str) -> Path:
+    if not raw.strip():
+        raise SettingsError(f"{name} is empty; expected a directory path")
+    return Path(raw.strip()).expanduser()
+
+
+def parse_existing_file(name: str, raw: str) -> Path:
+    path = Path(raw.strip()).expanduser()
+    if not path.is_file():
+        raise SettingsError(f"{name}={raw!r} is not an existing file; expected the path of a Python interpreter")
+    return path
+
+
+def _default_cache_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("cudelta", appauthor=False))
+
+
+def _setting(
+    *names: str,
+    parse: Callable[[str, str], object],
+    default: object = None,
+    doc: str,
+    secret: bool = False,
+):
+    return field(
+        default=default,
+        metadata={"env": names, "parse": parse, "doc": doc, "secret": secret},
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    force_build: bool = _setting(
+        "FORCE_BUILD", "CUDELTA_FORCE_BUILD", parse=parse_bool, default=False,
+        doc="Compile locally; never download a prebuilt wheel (offline / air-gapped installs).",
+    )
+    no_build: bool = _setting(
+        "CUDELTA_NO_BUILD", parse=parse_bool, default=False,
+        doc="Fail with a clear error instead of compiling when no prebuilt wheel matches.",
+    )
+    offline: bool = _setting(
+        "CUDELTA_OFFLINE", parse=parse_bool, default=False,
+        doc="No network at all: only a `file://` CUDELTA_WHEEL_URL or the download cache is used.",
+    )
+    release_build: bool = _setting(
+        "CUDELTA_RELEASE_BUILD", parse=parse_bool, default=False,
+        doc="Release matrix: compile the full fat binary for all release archs and label the "
+        "wheel `+cuXYZ` (implies FORCE_BUILD).",
+    )
+    wheel_url: Optional[str] = _setting(
+        "CUDELTA_WHEEL_URL", parse=parse_url,
+        doc="Replaces `https://github.com/cudelta/cudelta/releases/download/v<version>`: an "
+        "http(s) mirror or a `file://` wheelhouse folder holding the assets and manifest.json.",
+    )
+    cache_dir: Optional[Path] = _setting(
+        "CUDELTA_CACHE_DIR", parse=parse_path,
+        doc="Download cache (default: the user cache dir, e.g. `~/.cache/cudelta`).",
+    )
+    cuda_flavour: Optional[str] = _setting(
+        "CUDELTA_CUDA_VERSION", parse=parse_cuda_flavour,
+        doc="Override the detected CUDA flavour of torch (`13.0`, `130`, `cu130`, or `cpu`), "
+        "like bitsandbytes' BNB_CUDA_VERSION.",
+    )
+    cuda_archs: Optional[tuple] = _setting(
+        "CUDELTA_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST", parse=parse_arch_list,
+        doc="Archs of a local build, e.g. `8.0;9.0a+PTX` (default: the GPUs present; all "
+        "release archs when none is).",
+    )
+    max_jobs: Optional[int] = _setting(
+        "MAX_JOBS", parse=parse_positive_int,
+        doc="Parallel compile jobs of a local build (default: bounded by cores and free memory).",
+    )
+    target_python: Optional[Path] = _setting(
+        "CUDELTA_TARGET_PYTHON", parse=parse_existing_file,
+        doc="Interpreter whose torch/CUDA to match, when the build cannot see it (e.g. uv's "
+        "build venv).",
+    )
+    http_timeout: float = _setting(
+        "CUDELTA_HTTP_TIMEOUT", parse=parse_seconds, default=30.0,
+        doc="Read timeout in seconds for each download request (connect timeout: 10 s).",
+    )
+    http_retries: int = _setting(
+        "CUDELTA_HTTP_RETRIES", parse=parse_non_negative_int, default=4,
+        doc="Retries on connection errors, 5xx, 429 and 403-with-Retry-After, with backoff.",
+    )
+    github_token: Optional[str] = _setting(
+        "GITHUB_TOKEN", parse=lambda name, raw: raw.strip() or None, secret=True,
+        doc="Sent as a bearer token to github.com hosts only (rate limits); never printed.",
+    )
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in dataclasses.fields(cls):
+            for name in f.metadata["env"]:
+                raw = environ.get(name)
+                if raw is not None and (raw.strip() or f.type in ("bool",)):
+                    values[f.name] = f.metadata["parse"](name, raw)
+                    break
+        settings = cls(**values)
+        if settings.release_build and not settings.force_build:
+            settings = dataclasses.replace(settings, force_build=True)
+        return settings
+
+    @property
+    def effective_cache_dir(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else _default_cache_dir()
+
+    def release_url(self, version: str) -> str:
+        return self.wheel_url or DEFAULT_RELEASE_URL.format(version=version)
+
+    def __repr__(self) -> str:  # keeps the token out of logs and tracebacks
+        shown = {
+            f.name: ("***" if f.metadata["secret"] and getattr(self, f.name) else getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        }
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def documented_variables() -> list[tuple[str, str, str]]:
+    """(variable names, default, doc) for each setting, in declaration order (README's table)."""
+    rows = []
+    for f in dataclasses.fields(Settings):
+        default = "unset" if f.default is None else repr(f.default)
+        rows.append((" / ".join(f.metadata["env"]), default, f.metadata["doc"]))
+    return rows
