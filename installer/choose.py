@@ -1,0 +1,325 @@
+"""Choose the release asset for a target, or say in one line why there is none.
+
+Pure: a Manifest and a TargetEnv in, a Choice out. Each asset is checked against an ordered list
+of rules (version, Python, platform, CUDA, torch floor, driver, GPU coverage); among the assets
+that pass every rule the highest CUDA toolkit wins, and when none passes, the asset that got
+furthest explains the refusal, since its failing rule is the one the user is closest to fixing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from packaging.tags import Tag, compatible_tags, cpython_tags, generic_tags
+from packaging.version import InvalidVersion, Version
+
+from .manifest import Asset, Manifest
+from .target import Gpu, TargetEnv
+
+PURE_PYTHON_TAIL = "installing the pure-Python wheel (ops run the PyTorch reference path)"
+
+
+@dataclass(frozen=True)
+class Choice:
+    asset: Optional[Asset]
+    reason: str  # one line, shown to the user as is
+    # No CUDA to match at all (CPU torch, macOS, CUDELTA_CUDA_VERSION=cpu): the build should
+    # produce the pure-Python wheel, not compile.
+    pure_python: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# GPU coverage
+
+
+def _parse_arch(arch: str) -> Tuple[str, int, int, str]:
+    """'sm_90a' -> ('sm', 9, 0, 'a'); 'compute_120' -> ('compute', 12, 0, '')."""
+    kind, _, rest = arch.partition("_")
+    suffix = rest[-1] if rest[-1:] in ("a", "f") else ""
+    digits = rest[: len(rest) - len(suffix)]
+    if kind not in ("sm", "compute") or not digits.isdigit() or len(digits) < 2:
+        raise ValueError(f"not a CUDA arch: {arch!r}")
+    number = int(digits)
+    return kind, number // 10, number % 10, suffix
+
+
+def arch_covers(arch: str, major: int, minor: int) -> bool:
+    """Whether code for `arch` runs on a GPU of compute capability major.minor.
+
+    sm_XY cubins run on X.y for y >= Y (same major); sm_XYa only on X.Y (arch-specific
+    features); sm_XYf on the family, X.y for y >= Y; PTX compute_XY is JIT-compiled for any
+    cc >= X.Y, while compute_XYa / compute_XYf PTX is bound like the cubin of the same suffix.
+    """
+    kind, a_major, a_minor, suffix = _parse_arch(arch)
+    if suffix == "a":
+        return (major, minor) == (a_major, a_minor)
+    if kind == "sm" or suffix == "f":
+        return major == a_major and minor >= a_minor
+    return (major, minor) >= (a_major, a_minor)
+
+
+def covering_arch(archs: Iterable[str], major: int, minor: int) -> Optional[str]:
+    """The image the driver would run on a major.minor GPU: a cubin before PTX (no JIT), the
+    nearest cc first, and at equal cc an arch-specific one before a family one before a plain
+    one (more features enabled). None if nothing covers it."""
+    best: Optional[Tuple[Tuple[int, int, int, int], str]] = None
+    for arch in archs:
+        if not arch_covers(arch, major, minor):
+            continue
+        kind, a_major, a_minor, suffix = _parse_arch(arch)
+        key = (int(kind == "sm"), a_major, a_minor, {"a": 2, "f": 1, "": 0}[suffix])
+        if best is None or key > best[0]:
+            best = (key, arch)
+    return best[1] if best else None
+
+
+# --------------------------------------------------------------------------------------------
+# Platform and Python tags
+
+
+_LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+
+
+def linux_platforms(machine: str, glibc: Optional[Tuple[int, int]]) -> List[str]:
+    """Platform tags a glibc Linux accepts, most specific first (as packaging.tags orders them,
+    but for the target's glibc rather than this process's)."""
+    platforms = []
+    if glibc is not None and glibc[0] == 2:
+        # manylinux_2_5 exists only for x86; other arches start at manylinux2014 (glibc 2.17).
+        floor = 5 if machine in ("x86_64", "i686") else 17
+        for minor in range(glibc[1], floor - 1, -1):
+            platforms.append(f"manylinux_2_{minor}_{machine}")
+            legacy = _LEGACY_MANYLINUX.get(minor)
+            if legacy and (minor == 17 or machine in ("x86_64", "i686")):
+                platforms.append(f"{legacy}_{machine}")
+    platforms.append(f"linux_{machine}")
+    return platforms
+
+
+def target_platforms(target: TargetEnv) -> List[str]:
+    if target.os_name == "linux":
+        return linux_platforms(target.machine, target.glibc)
+    if target.os_name == "windows":
+        return [{"x86_64": "win_amd64", "arm64": "win_arm64", "x86": "win32"}.get(target.machine, f"win_{target.machine}")]
+    # cudelta publishes no wheels for other systems (and chooses pure-Python there); a tag
+    # that matches nothing keeps the platform rule honest.
+    return [f"{target.os_name}_{target.machine}"]
+
+
+def target_tags(target: TargetEnv) -> List[Tag]:
+    """Wheel tags the target interpreter accepts, in preference order."""
+    platforms = target_platforms(target)
+    version = target.python_version
+    nodot = f"{version[0]}{version[1]}"
+    if target.implementation == "cpython":
+        abi = f"cp{nodot}{target.abiflags}"
+        if target.free_threaded and not abi.endswith("t"):
+            abi += "t"
+        tags = list(cpython_tags(python_version=version, abis=[abi], platforms=platforms))
+        interpreter = f"cp{nodot}"
+    else:
+        short = {"pypy": "pp"}.get(target.implementation, target.implementation)
+        interpreter = f"{short}{nodot}"
+        tags = list(generic_tags(interpreter=interpreter, abis=["none"], platforms=platforms))
+    tags += list(compatible_tags(python_version=version, interpreter=interpreter, platforms=platforms))
+    if target.free_threaded:
+        # The stable ABI does not exist for free-threaded builds before abi3t; older packaging
+        # releases still list abi3 for them.
+        tags = [t for t in tags if t.abi != "abi3"]
+    return tags
+
+
+# --------------------------------------------------------------------------------------------
+# The rules
+
+
+def _mm(t: Tuple[int, int]) -> str:
+    return f"{t[0]}.{t[1]}"
+
+
+def _cuda_tuple(text: str) -> Tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _release(version: str) -> Optional[Tuple[int, ...]]:
+    """Release numbers only: '2.14.1+cu130' -> (2, 14, 1); a nightly '2.10.0a0' counts as 2.10.0."""
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return None
+    return tuple(release) + (0,) * (3 - len(release))
+
+
+@dataclass(frozen=True)
+class _Context:
+    target: TargetEnv
+    release: str
+    assets: Tuple[Asset, ...]  # of the package version
+    tag_rank: Dict[Tag, int]
+    want_cuda: Optional[Tuple[int, int]]  # None: matching by driver
+    cuda_desc: str
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    asset: Asset
+    stage: int  # rules passed; len(_RULES) for a match
+    reason: str  # why refused, or how each rule was met
+    tag_rank: int = 0
+
+
+def _python_label(target: TargetEnv) -> str:
+    impl = {"cpython": "Python", "pypy": "PyPy"}.get(target.implementation, target.implementation)
+    return f"{impl} {target.python_tag}"
+
+
+def _rule_python(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
+    t = ctx.target
+    if t.python_version < asset.python_floor_tuple:
+        return f"{_python_label(t)} is older than {asset.python_floor}, the floor of {asset.name}", ""
+    if t.free_threaded and all(tag.abi == "abi3" for tag in asset.tags):
+        return f"{_python_label(t)} is free-threaded and cannot load the abi3 wheel {asset.name}", ""
+    return None, ""
+
+
+def _rule_platform(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
+    ranks = [ctx.tag_rank[tag] for tag in asset.tags if tag in ctx.tag_rank]
+    if ranks:
+        return None, target_platforms(ctx.target)[0]
+    t = ctx.target
+    accepted = set(target_platforms(t))
+    if any(tag.platform in accepted for tag in asset.tags):
+        shown = ", ".join(sorted(f"{tag.interpreter}-{tag.abi}" for tag in asset.tags))
+        return f"{asset.name} ({shown}) does not fit {_python_label(t)} ({t.implementation})", ""
+    platform = asset.platform
+    if t.os_name == "linux" and platform.startswith("manylinux_2_") and platform.endswith("_" + t.machine):
+        need = platform[len("manylinux_2_"):].split("_", 1)[0]
+        have = f"glibc {_mm(t.glibc)}" if t.glibc else "no glibc (musl?)"
+        return f"{platform} needs glibc >= 2.{need}; this system has {have}", ""
+    system = f"{t.os_name} {t.machine}" + (f" glibc {_mm(t.glibc)}" if t.glibc else "")
+    have = ", ".join(sorted({a.platform for a in ctx.assets}))
+    return f"no prebuilt wheel for {system}: release {ctx.release} has {have} only", ""
+
+
+def _rule_cuda(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
+    a = asset.cuda_tuple
+    if ctx.want_cuda is not None:
+        ok = a[0] == ctx.want_cuda[0] and a[1] <= ctx.want_cuda[1]
+    else:
+        ok = a[0] <= ctx.target.driver_cuda[0]
+    if ok:
+        return None, ctx.cuda_desc
+    have = ", ".join(sorted({x.cuda for x in ctx.assets}, key=_cuda_tuple))
+    return f"no prebuilt wheel for {ctx.cuda_desc}: release {ctx.release} has CUDA {have} only", ""
+
+
+def _rule_torch(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
+    version = ctx.target.torch_version
+    have, floor = (_release(version) if version else None), _release(asset.torch_floor)
+    if have is None or floor is None or have >= floor:
+        return None, ""
+    return (f"torch {version} is older than {asset.torch_floor}, the floor of {asset.name} "
+            "(upgrade torch)"), ""
+
+
+def _rule_driver(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
+    driver = ctx.target.driver_cuda
+    if driver is None:
+        return None, "driver not seen"
+    if driver >= asset.driver_floor_tuple:
+        return None, f"driver CUDA {_mm(driver)}"
+    return (f"the NVIDIA driver supports CUDA {_mm(driver)}, older than the {asset.driver_floor} "
+            f"that {asset.name} needs (update the driver)"), ""
+
+
+def _rule_gpus(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
+    gpus = ctx.target.gpus
+    if not gpus:
+        return None, f"no GPU visible, the fat binary covers {asset.describe_archs()}"
+    groups: Dict[Tuple[str, str], List[int]] = {}
+    for gpu in gpus:
+        arch = covering_arch(asset.archs + asset.ptx, gpu.major, gpu.minor)
+        if arch is None:
+            return (f"GPU {gpu.index} (compute {gpu.major}.{gpu.minor}) has no cubin or PTX in "
+                    f"{asset.name}: release archs {asset.describe_archs()}"), ""
+        how = f"{arch} cubin" if arch.startswith("sm_") else f"{arch} PTX (JIT)"
+        groups.setdefault((gpu.sm, how), []).append(gpu.index)
+    return None, ", ".join(
+        f"GPU {','.join(map(str, indices))} {sm} via {how}" for (sm, how), indices in groups.items()
+    )
+
+
+_RULES = (_rule_python, _rule_platform, _rule_cuda, _rule_torch, _rule_driver, _rule_gpus)
+
+
+def _evaluate(asset: Asset, ctx: _Context) -> _Verdict:
+    met = []
+    for stage, rule in enumerate(_RULES):
+        refusal, how = rule(asset, ctx)
+        if refusal is not None:
+            return _Verdict(asset, stage, refusal)
+        met.append(how)
+    # Order of the success line: what was matched, then the machine.
+    _, platform, cuda, _, driver, gpus = met
+    rank = min(ctx.tag_rank[tag] for tag in asset.tags if tag in ctx.tag_rank)
+    return _Verdict(asset, len(_RULES), f"{asset.name} matches: {cuda}, {driver}, {gpus}, {platform}", rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _pure_python_reason(target: TargetEnv) -> Optional[str]:
+    if target.os_name not in ("linux", "windows"):
+        return f"{target.os_name} has no CUDA: {PURE_PYTHON_TAIL}"
+    if target.cuda_overridden and target.torch_cuda is None:
+        return f"CUDELTA_CUDA_VERSION=cpu: {PURE_PYTHON_TAIL}"
+    if target.torch_version is not None and target.torch_cuda is None:
+        return f"torch {target.torch_version} has no CUDA: {PURE_PYTHON_TAIL}"
+    return None
+
+
+def _cuda_wanted(target: TargetEnv) -> Tuple[Optional[Tuple[int, int]], str]:
+    if target.torch_cuda is not None:
+        cuda = _cuda_tuple(target.torch_cuda)
+        if target.cuda_overridden:
+            seen = f"torch {target.torch_version}" if target.torch_version else "torch not visible"
+            return cuda, f"CUDA {target.torch_cuda} by CUDELTA_CUDA_VERSION ({seen})"
+        return cuda, f"torch {target.torch_version} (CUDA {target.torch_cuda})"
+    assert target.driver_cuda is not None
+    return None, f"driver CUDA {_mm(target.driver_cuda)} (torch not visible)"
+
+
+def choose(manifest: Manifest, target: TargetEnv, package_version: str) -> Choice:
+    pure = _pure_python_reason(target)
+    if pure is not None:
+        return Choice(None, pure, pure_python=True)
+    if target.torch_cuda is None and target.driver_cuda is None:
+        return Choice(None, "neither torch nor an NVIDIA driver is visible to this build, so no "
+                      "prebuilt wheel can be matched; set CUDELTA_TARGET_PYTHON=/path/to/python or "
+                      "CUDELTA_CUDA_VERSION=13.0 (or cpu) to say which torch")
+    try:
+        wanted = Version(package_version)
+    except InvalidVersion:
+        return Choice(None, f"cudelta version {package_version!r} is not a version; no prebuilt wheel")
+    assets = tuple(a for a in manifest.assets if Version(a.public_version) == Version(wanted.public))
+    if not assets:
+        return Choice(None, f"release {manifest.version} lists no prebuilt wheel of cudelta {wanted.public}")
+
+    want_cuda, cuda_desc = _cuda_wanted(target)
+    tags = target_tags(target)
+    ctx = _Context(
+        target=target, release=manifest.version, assets=assets,
+        tag_rank={tag: i for i, tag in reversed(list(enumerate(tags)))},
+        want_cuda=want_cuda, cuda_desc=cuda_desc,
+    )
+    verdicts = [_evaluate(asset, ctx) for asset in assets]
+    matches = [v for v in verdicts if v.stage == len(_RULES)]
+    if matches:
+        best = max(matches, key=lambda v: (v.asset.cuda_tuple, -v.tag_rank))
+        return Choice(best.asset, best.reason)
+    # Furthest along; among those, the highest toolkit (the one an upgrade would reach).
+    closest = max(verdicts, key=lambda v: (v.stage, v.asset.cuda_tuple))
+    return Choice(None, closest.reason)

@@ -1,0 +1,277 @@
+"""setuptools commands: `bdist_wheel` runs detect -> choose -> fetch -> verify -> install, else build.
+
+pip's build_wheel hook and the release matrix both end up here. What happens is decided once,
+up front (`Plan`), and said in one line; every user-facing failure is an InstallerError, printed
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from setuptools import Extension
+from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
+
+from . import native
+from .errors import InstallerError, VerificationError
+from .log import say
+from .settings import Settings
+from .wheel_version import public_version, retag_version, with_local_label
+
+MANIFEST_NAME = "manifest.json"
+RELEASE_PLATFORM = "manylinux_2_28_x86_64"
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str  # "pure" | "fetch" | "compile"
+    reason: str
+
+
+def plan_for(settings: Settings, target) -> Plan:
+    """The first decision: no native code at all, try a prebuilt wheel, or compile."""
+    if target.os_name != "linux":
+        return Plan("pure", f"{target.os_name} has no CUDA build of cudelta: pure-Python wheel (PyTorch reference ops)")
+    cuda = settings.cuda_flavour or target.torch_cuda
+    if cuda == "cpu" or (target.torch_version and not cuda):
+        why = "CUDELTA_CUDA_VERSION=cpu" if cuda == "cpu" else f"torch {target.torch_version} is a CPU build"
+        return Plan("pure", f"{why}: pure-Python wheel, ops run the PyTorch reference (no compiler needed)")
+    if settings.release_build:
+        return Plan("compile", "CUDELTA_RELEASE_BUILD=1: compiling the release fat binary")
+    if settings.force_build:
+        return Plan("compile", "FORCE_BUILD=1: compiling locally, no download")
+    return Plan("fetch", "looking for a prebuilt wheel")
+
+
+def torch_importable_here() -> bool:
+    # Under pip's build isolation the target's site-packages are hidden from this process.
+    return importlib.util.find_spec("torch") is not None
+
+
+def compile_archs(settings: Settings, target) -> tuple[list[str], str]:
+    if settings.cuda_archs:
+        return list(settings.cuda_archs), "from CUDELTA_CUDA_ARCHS / TORCH_CUDA_ARCH_LIST"
+    if settings.release_build:
+        return list(native.RELEASE_ARCHS), "release archs"
+    if target.gpus:
+        return native.archs_for_gpus([(g.major, g.minor) for g in target.gpus]), "the GPUs present"
+    return list(native.RELEASE_ARCHS), "no GPU visible, so all release archs (set TORCH_CUDA_ARCH_LIST to build fewer)"
+
+
+class bdist_wheel(_bdist_wheel):
+    user_options = _bdist_wheel.user_options + [
+        ("compile-here", None, "internal: compile in this process (the target's torch is importable)"),
+    ]
+    boolean_options = _bdist_wheel.boolean_options + ["compile-here"]
+
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        self.compile_here = False
+        self._plan: Optional[Plan] = None
+
+    def finalize_options(self) -> None:
+        try:
+            self._settings = Settings.from_env()
+            self._target = _detect(self._settings)
+            self._plan = Plan("compile", "compiling") if self.compile_here else plan_for(self._settings, self._target)
+        except InstallerError as exc:
+            _fail(exc)
+        if self._plan.kind == "pure":
+            self.distribution.ext_modules = []
+        else:
+            # A placeholder keeps the wheel platform-specific; the real CUDAExtension replaces it
+            # only if we compile in this process (it needs torch).
+            self.distribution.ext_modules = [Extension("cudelta._C", sources=[])]
+            self.py_limited_api = native.PY_LIMITED_API_TAG
+            if self._settings.release_build:
+                self.plat_name = RELEASE_PLATFORM
+        super().finalize_options()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except InstallerError as exc:
+            _fail(exc)
+
+    def _run(self) -> None:
+        plan = self._plan
+        assert plan is not None
+        if not self.compile_here:
+            say(f"target: {self._target.summary()}")
+            for note in self._target.notes:
+                say(f"note: {note}")
+        if plan.kind == "pure":
+            say(plan.reason)
+            super().run()
+            return
+        if plan.kind == "fetch":
+            why_not = self._try_prebuilt()
+            if why_not is None:
+                return
+            if self._settings.no_build:
+                raise InstallerError(f"no prebuilt wheel: {why_not}. CUDELTA_NO_BUILD=1 forbids compiling; "
+                                     "unset it to build from source.")
+            say(f"no prebuilt wheel ({why_not}): building from source")
+        elif not self.compile_here:
+            say(plan.reason)
+        if torch_importable_here():
+            self._compile()
+        else:
+            self._compile_in_target_interpreter()
+
+    # --- fetch path ---------------------------------------------------------------------------
+    def _try_prebuilt(self) -> Optional[str]:
+        """Install a verified prebuilt wheel into dist_dir; or return why none was used."""
+        from .choose import choose
+        from .errors import FetchError
+        from .fetch import Fetcher
+        from .manifest import parse_manifest
+
+        version = self.distribution.get_version()
+        base = self._settings.release_url(version)
+        fetcher = Fetcher(self._settings)
+        try:
+            manifest = parse_manifest(fetcher.fetch_json(base, MANIFEST_NAME))
+        except FetchError as exc:
+            return f"release manifest unavailable: {exc}"
+        choice = choose(manifest, self._target, version)
+        say(choice.reason)
+        if choice.asset is None:
+            return "no asset matches"
+        asset = choice.asset
+        try:
+            path = fetcher.fetch_asset(base, asset.name, asset.sha256, asset.size)
+        except VerificationError:
+            raise  # a corrupt or tampered asset is an error, never a reason to quietly compile
+        except FetchError as exc:
+            return f"download failed: {exc}"
+        source = {"asset": asset.name, "sha256": asset.sha256, "url": _redact(f"{base}/{asset.name}")}
+        out = retag_version(Path(path), public_version(version), Path(self.dist_dir), extra_dist_info=source)
+        say(f"installing prebuilt {asset.name} (sha256 verified) as {out.name}")
+        return None
+
+    # --- compile path -------------------------------------------------------------------------
+    def _compile(self) -> None:
+        home = native.cuda_home()
+        if home and "CUDA_HOME" not in os.environ:
+            os.environ["CUDA_HOME"] = home  # read when torch.utils.cpp_extension is imported
+        import torch.utils.cpp_extension as cpp
+
+        settings, target = self._settings, self._target
+        archs_text, why = compile_archs(settings, target)
+        archs = native.parse_archs(archs_text)
+        torch_cuda = cpp.torch.version.cuda
+        if torch_cuda is None:
+            raise InstallerError(f"torch {cpp.torch.__version__} has no CUDA; cannot compile the CUDA extension")
+        native.check_toolchain(torch_cuda, target.nvcc_version, native.gcc_major_of(target.host_compiler))
+        jobs = settings.max_jobs or native.default_jobs(os.cpu_count() or 1, native.mem_available_bytes())
+        os.environ["MAX_JOBS"] = str(jobs)  # read by torch's BuildExtension for ninja -j
+        toolkit = target.nvcc_version or torch_cuda
+        record = native.build_record(
+            version=self.distribution.get_version(), toolkit=toolkit, archs=archs,
+            torch_version=cpp.torch.__version__, kind="release" if settings.release_build else "local",
+            compressed=True)
+        header_dir = Path(self.bdist_dir).resolve().parent / "cudelta-generated"
+        native.write_build_info(record, header_dir)
+        self.distribution.ext_modules[:] = [native.extension(archs, compress=True, jobs=jobs, header_dir=header_dir)]
+        self.distribution.cmdclass["build_ext"] = _build_ext_class(cpp.BuildExtension, record)
+        self.distribution.command_obj.pop("build_ext", None)
+        names = ", ".join(record["archs"] + record["ptx"])
+        say(f"compiling for {names} ({why}) with {jobs} job(s), nvcc {toolkit}, torch {cpp.torch.__version__}; "
+            f"about a minute per arch on 2 cores")
+        started = time.monotonic()
+        super().run()
+        say(f"compiled in {time.monotonic() - started:.0f} s")
+        if settings.release_build:
+            self._label_release_wheel(record["variant"])
+
+    def _label_release_wheel(self, variant: str) -> None:
+        dist = Path(self.dist_dir)
+        version = self.distribution.get_version()
+        for wheel in dist.glob(f"cudelta-{version}-*.whl"):
+            labelled = retag_version(wheel, with_local_label(version, variant), dist)
+            wheel.unlink()
+            say(f"release wheel: {labelled.name}")
+
+    def _compile_in_target_interpreter(self) -> None:
+        """pip's isolation hides torch from us; compile in a child of the same interpreter that sees
+        the target's site-packages plus our build requirements."""
+        env = _unisolated_env()
+        with tempfile.TemporaryDirectory(prefix="cudelta-build-") as tmp:
+            cmd = [sys.executable, "setup.py", "bdist_wheel", "--compile-here", "--dist-dir", tmp]
+            probe = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], env=env,
+                                   capture_output=True, text=True)
+            if probe.returncode != 0:
+                raise InstallerError(
+                    "cannot compile cudelta: torch is not importable by this build"
+                    f" ({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'not found'}). "
+                    "Install torch first; with uv use `uv pip install --no-build-isolation cudelta` or "
+                    "`extra-build-dependencies = { cudelta = [{ requirement = \"torch\", match-runtime = true }] }`."
+                )
+            result = subprocess.run(cmd, env=env, cwd=os.getcwd())
+            if result.returncode != 0:
+                raise InstallerError(f"the local compile failed (exit {result.returncode}); its output is above")
+            for wheel in Path(tmp).glob("*.whl"):
+                Path(self.dist_dir).mkdir(parents=True, exist_ok=True)
+                shutil.move(str(wheel), str(Path(self.dist_dir) / wheel.name))
+
+
+def _build_ext_class(base, record: dict):
+    class build_ext(base):  # type: ignore[misc, valid-type]
+        def run(self) -> None:
+            super().run()
+            # The loader reads this before dlopen, to refuse a mismatched torch with a clear message.
+            out = Path(self.build_lib) / "cudelta" / "_build_info.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+    return build_ext
+
+
+def _unisolated_env() -> dict:
+    """The environment for a child that must see both the target's site-packages and the
+    build requirements pip installed for us (setuptools, wheel, ...)."""
+    env = dict(os.environ)
+    default = subprocess.run([sys.executable, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
+                             capture_output=True, text=True, check=True)
+    target_paths = set(json.loads(default.stdout))
+    extra = [p for p in sys.path
+             if p and p not in target_paths and os.path.isdir(p)
+             and not os.path.isfile(os.path.join(p, "sitecustomize.py"))]
+    env["PYTHONPATH"] = os.pathsep.join(extra)
+    return env
+
+
+def _detect(settings: Settings):
+    from .detect import detect
+
+    return detect(settings)
+
+
+def _redact(url: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _fail(exc: InstallerError) -> None:
+    say(f"error: {exc}")
+    raise SystemExit(1)
+
+
+def cmdclass() -> dict:
+    return {"bdist_wheel": bdist_wheel}

@@ -1,0 +1,359 @@
+// Gated DeltaNet decode step over a pool of recurrent states, updated in place.
+//
+// One block of 128 threads owns one (request n, value head hv) pair and a 32-column tile of its
+// [K, V] fp32 state. Thread t holds columns 4*(t%8)..+3 of rows t/8, t/8+16, ... so that a warp's
+// float4 accesses cover four whole 128-byte rows. The step is bandwidth bound (one read and one
+// write of the state), so the variants differ only in how the state tile reaches the SM:
+//
+//   generic  plain float4 loads after the q/k prologue (any arch)
+//   sm80     cp.async into shared memory, issued before the prologue so the load overlaps it;
+//            two commit groups let the first half be reduced while the second is in flight
+//   sm90     cp.async.bulk (the TMA engine) row copies completing on two mbarriers, also issued
+//            before the prologue; frees the threads from address generation entirely
+//
+// Both reductions of the step (pred = h'^T k and h'^T q) are done in one pass over the decayed
+// state h': with u = beta * (v - pred), the output of the updated state is
+// o = (h' + k u^T)^T q = h'^T q + u * (k . q), so the updated state never has to be re-read.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch.h"
+
+namespace cudelta {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTileV = 32;  // columns per block: 8 float4 column groups
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// --- sm_80: cp.async ------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// --- sm_90: cp.async.bulk + mbarrier ----------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_fence_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(phase)
+        : "memory");
+  }
+#endif
+}
+
+__device__ __forceinline__ float warp_sum_rows(float x) {
+  // Lanes that share a column group (lane % 8) hold different rows: fold lane bits 3 and 4.
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  x += __shfl_xor_sync(0xffffffffu, x, 16);
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <typename T, int K, Variant VAR>
+__global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const GdnDecodeParams p) {
+  constexpr int R = K / 16;  // rows per thread
+  constexpr int kWarps = kThreads / 32;
+#if defined(__CUDA_ARCH__)
+  if constexpr (VAR == Variant::kSm80) {
+#if __CUDA_ARCH__ < 800
+    __trap();  // host never selects this variant for an image below sm_80
+#endif
+  }
+  if constexpr (VAR == Variant::kSm90) {
+#if __CUDA_ARCH__ < 900
+    __trap();
+#endif
+  }
+#endif
+  __shared__ float qs[K];
+  __shared__ float ks[K];
+  __shared__ float red3[kWarps][3];
+  __shared__ float red[kWarps][8][8];
+  __shared__ uint64_t bars[2];
+  extern __shared__ float4 tile[];  // async variants: [K][8] float4
+
+  const int t = threadIdx.x;
+  const int c = t & 7;
+  const int r = t >> 3;
+  const int lane = t & 31;
+  const int warp = t >> 5;
+
+  const int64_t nh = blockIdx.x;
+  const int64_t n = nh / p.HV;
+  const int64_t hv = nh - n * p.HV;
+  const int64_t h = hv / (p.HV / p.H);
+  const int64_t col = int64_t(blockIdx.y) * kTileV + 4 * c;
+
+  const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n]
+                                      : static_cast<const int32_t*>(p.idx)[n];
+  T* out = static_cast<T*>(p.out) + nh * p.V + col;
+  if (slot < 0 || slot >= p.P) {
+    if (r == 0) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) out[m] = from_float<T>(0.f);
+    }
+    return;
+  }
+  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * p.V + int64_t(blockIdx.y) * kTileV;
+
+  // Start the state tile on its way before anything else.
+  if constexpr (VAR == Variant::kSm80) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int row = r + 16 * j;
+      cp_async_16(&tile[row * 8 + c], S + int64_t(row) * p.V + 4 * c);
+      if (j == R / 2 - 1) cp_async_commit();
+    }
+    cp_async_commit();
+  } else if constexpr (VAR == Variant::kSm90) {
+    if (t == 0) {
+      mbar_init(&bars[0], 1);
+      mbar_init(&bars[1], 1);
+      mbar_fence_init();
+    }
+    __syncthreads();
+    if (warp == 0) {
+      constexpr uint32_t kHalfBytes = (K / 2) * kTileV * sizeof(float);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(&bars[0], kHalfBytes);
+        mbar_arrive_expect_tx(&bars[1], kHalfBytes);
+      }
+      __syncwarp();
+      for (int row = lane; row < K; row += 32) {
+        bulk_g2s(&tile[row * 8], S + int64_t(row) * p.V, kTileV * sizeof(float), &bars[row < K / 2 ? 0 : 1]);
+      }
+    }
+  }
+
+  // Prologue: q, k to shared memory, with the three dot products the step needs.
+  const T* qp = static_cast<const T*>(p.q) + n * p.q_stride_n + h * p.q_stride_h;
+  const T* kp = static_cast<const T*>(p.k) + n * p.k_stride_n + h * p.k_stride_h;
+  float sqq = 0.f, skk = 0.f, sqk = 0.f;
+  for (int i = t; i < K; i += kThreads) {
+    const float qv = to_float<T>(qp[i]);
+    const float kv = to_float<T>(kp[i]);
+    qs[i] = qv;
+    ks[i] = kv;
+    sqq += qv * qv;
+    skk += kv * kv;
+    sqk += qv * kv;
+  }
+  sqq = warp_sum(sqq);
+  skk = warp_sum(skk);
+  sqk = warp_sum(sqk);
+  if (lane == 0) {
+    red3[warp][0] = sqq;
+    red3[warp][1] = skk;
+    red3[warp][2] = sqk;
+  }
+  const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + hv * p.v_stride_h + col;
+  float vv[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) vv[m] = to_float<T>(vp[m]);
+  const float decay = __expf(p.g[nh]);
+  const float beta = p.beta[nh];
+  __syncthreads();
+  sqq = skk = sqk = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    sqq += red3[w][0];
+    skk += red3[w][1];
+    sqk += red3[w][2];
+  }
+  const float kscale = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
+  const float qscale = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
+  const float qk = sqk * kscale * qscale;
+
+  // Decay the tile and reduce both dot products in one pass.
+  float4 s[R] = {};
+  float pk[4] = {0.f, 0.f, 0.f, 0.f};
+  float pq[4] = {0.f, 0.f, 0.f, 0.f};
+  auto accumulate = [&](int j) {
+    const int row = r + 16 * j;
+    s[j].x *= decay;
+    s[j].y *= decay;
+    s[j].z *= decay;
+    s[j].w *= decay;
+    const float kr = ks[row], qr = qs[row];
+    pk[0] += s[j].x * kr; pk[1] += s[j].y * kr; pk[2] += s[j].z * kr; pk[3] += s[j].w * kr;
+    pq[0] += s[j].x * qr; pq[1] += s[j].y * qr; pq[2] += s[j].z * qr; pq[3] += s[j].w * qr;
+  };
+  if constexpr (VAR == Variant::kGeneric) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const float4*>(S + int64_t(r + 16 * j) * p.V + 4 * c);
+#pragma unroll
+    for (int j = 0; j < R; ++j) accumulate(j);
+  } else {
+    // Each half is read once its copies have landed: own copies (cp.async) or the mbarrier.
+    if constexpr (VAR == Variant::kSm80) cp_async_wait<1>(); else mbar_wait(&bars[0], 0);
+#pragma unroll
+    for (int j = 0; j < R / 2; ++j) {
+      s[j] = tile[(r + 16 * j) * 8 + c];
+      accumulate(j);
+    }
+    if constexpr (VAR == Variant::kSm80) cp_async_wait<0>(); else mbar_wait(&bars[1], 0);
+#pragma unroll
+    for (int j = R / 2; j < R; ++j) {
+      s[j] = tile[(r + 16 * j) * 8 + c];
+      accumulate(j);
+    }
+  }
+
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    pk[m] = warp_sum_rows(pk[m]);
+    pq[m] = warp_sum_rows(pq[m]);
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      red[warp][c][m] = pk[m];
+      red[warp][c][4 + m] = pq[m];
+    }
+  }
+  __syncthreads();
+  float u[4];
+  float o[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    float tk = 0.f, tq = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      tk += red[w][c][m];
+      tq += red[w][c][4 + m];
+    }
+    tk *= kscale;
+    tq *= qscale;
+    u[m] = beta * (vv[m] - tk);
+    o[m] = tq + u[m] * qk;
+  }
+  if (r == 0) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) out[m] = from_float<T>(o[m]);
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int row = r + 16 * j;
+    const float kr = ks[row] * kscale;
+    float4 x = s[j];
+    x.x += kr * u[0];
+    x.y += kr * u[1];
+    x.z += kr * u[2];
+    x.w += kr * u[3];
+    *reinterpret_cast<float4*>(S + int64_t(row) * p.V + 4 * c) = x;
+  }
+}
+
+template <typename T, int K, Variant VAR>
+int launch_typed(const GdnDecodeParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.N * p.HV), static_cast<unsigned>(p.V / kTileV));
+  const size_t smem = VAR == Variant::kGeneric ? 0 : size_t(K) * kTileV * sizeof(float);
+  gdn_decode_kernel<T, K, VAR><<<grid, kThreads, smem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T, int K>
+int launch_variant(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
+  switch (v) {
+    case Variant::kGeneric: return launch_typed<T, K, Variant::kGeneric>(p, stream);
+    case Variant::kSm80: return launch_typed<T, K, Variant::kSm80>(p, stream);
+    case Variant::kSm90: return launch_typed<T, K, Variant::kSm90>(p, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+template <typename T>
+int launch_k(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
+  switch (p.K) {
+    case 64: return launch_variant<T, 64>(p, v, stream);
+    case 128: return launch_variant<T, 128>(p, v, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace
+
+int launch_gdn_decode(const GdnDecodeParams& p, Variant v, void* stream) {
+  if (p.N == 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (p.dtype) {
+    case DType::kFloat32: return launch_k<float>(p, v, s);
+    case DType::kFloat16: return launch_k<__half>(p, v, s);
+    case DType::kBFloat16: return launch_k<__nv_bfloat16>(p, v, s);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace cudelta

@@ -1,0 +1,57 @@
+// The plain C++ boundary between host code (csrc/, LibTorch stable ABI) and device code
+// (kernels/, CUDA). No torch and no CUDA headers here, so each side compiles without the other.
+#pragma once
+
+#include <cstdint>
+
+namespace cudelta {
+
+enum class Variant : int {
+  kGeneric = 0,  // plain vectorised loads: any arch
+  kSm80 = 1,     // cp.async state tiles overlapped with the q/k prologue: sm_80+
+  kSm90 = 2,     // cp.async.bulk (TMA engine) + mbarrier state tiles: sm_90+
+};
+constexpr int kNumVariants = 3;
+const char* variant_name(Variant v);
+// Lowest __CUDA_ARCH__ of an image that contains the variant's device code.
+int variant_min_arch(Variant v);
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct GdnDecodeParams {
+  // q, k [N, H, K]; v [N, HV, V]: innermost dim contiguous, strides in elements.
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_stride_n, q_stride_h;
+  int64_t k_stride_n, k_stride_h;
+  int64_t v_stride_n, v_stride_h;
+  DType dtype;
+  const float* g;     // [N, HV] log-decay, contiguous
+  const float* beta;  // [N, HV], contiguous
+  float* state;       // [P, HV, K, V] contiguous, updated in place
+  const void* idx;    // [N] slot of each request; < 0 or >= P: skipped, output zero
+  bool idx_is_int64;
+  void* out;          // [N, HV, V] contiguous, dtype of v
+  int64_t N, H, HV, K, V, P;
+  float scale;
+  bool use_qk_l2norm;
+};
+
+// Launch on `stream` (a cudaStream_t). Returns 0 or a cudaError_t value.
+int launch_gdn_decode(const GdnDecodeParams& p, Variant variant, void* stream);
+
+// Compute capability (major * 10 + minor) of `device`.
+int device_compute_capability(int device);
+// __CUDA_ARCH__ of the image the driver loads on `device` (e.g. 900), and whether arch-specific
+// (sm_XYa) features were compiled in; runs a probe kernel once per device, then cached.
+struct ImageInfo {
+  int cuda_arch;
+  bool arch_specific;
+  bool family_specific;
+};
+int probe_image(int device, ImageInfo* info);
+// Last CUDA error text for messages.
+const char* cuda_error_string(int err);
+
+}  // namespace cudelta

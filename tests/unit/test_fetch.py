@@ -1,0 +1,488 @@
+import hashlib
+import socket
+import threading
+import time
+from collections import Counter
+from email.utils import formatdate
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import requests
+import responses
+from urllib3.response import HTTPResponse
+
+from installer import fetch
+from installer.errors import FetchError, VerificationError
+from installer.settings import Settings
+
+NAME = "cudelta-0.1.0-cp310-abi3-manylinux_2_28_x86_64.whl"
+BODY = b"PK\x03\x04 not really a wheel " * 1000
+SHA = hashlib.sha256(BODY).hexdigest()
+GH_BASE = "https://github.com/cudelta/cudelta/releases/download/v0.1.0"
+GH_URL = f"{GH_BASE}/{NAME}"
+STORAGE_URL = "https://release-assets.githubusercontent.com/github-production-release-asset/42/abc"
+MIRROR_BASE = "https://mirror.example/cudelta/v0.1.0"
+MIRROR_URL = f"{MIRROR_BASE}/{NAME}"
+TOKEN = "ghp_s3cr3tT0kenValue"
+RETRIES = 2
+
+
+def make_fetcher(tmp_path, logs=None, session=None, **settings):
+    settings.setdefault("http_retries", RETRIES)
+    return fetch.Fetcher(
+        Settings(cache_dir=tmp_path / "cache", **settings),
+        session=session,
+        backoff_factor=0,
+        log=(logs.append if logs is not None else lambda line: None),
+    )
+
+
+def cache_entries(tmp_path, sha=SHA):
+    """Files in the asset's cache folder other than the lock."""
+    folder = tmp_path / "cache" / sha
+    return sorted(p.name for p in folder.iterdir() if p.name != ".lock") if folder.exists() else []
+
+
+@pytest.fixture
+def mocked():
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as r:
+        yield r
+
+
+# -- downloads ------------------------------------------------------------------------------------
+
+
+def test_download_lands_verified_in_content_addressed_cache(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    logs = []
+    path = make_fetcher(tmp_path, logs).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert path == tmp_path / "cache" / SHA / NAME
+    assert path.read_bytes() == BODY
+    assert cache_entries(tmp_path) == [NAME]
+    assert any(line.startswith(f"downloading {NAME} (0.0 MB) from mirror.example") for line in logs)
+    assert any(line.startswith(f"downloaded {NAME} in ") for line in logs)
+
+
+def test_asset_name_with_local_version_label_is_escaped(tmp_path, mocked):
+    name = "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
+    mocked.add(responses.GET, f"{MIRROR_BASE}/cudelta-0.1.0%2Bcu130-cp310-abi3-manylinux_2_28_x86_64.whl", body=BODY)
+    path = make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, name, SHA, None)
+    assert path.name == name and path.read_bytes() == BODY
+
+
+def test_github_redirect_keeps_token_off_the_storage_host(tmp_path, mocked):
+    mocked.add(responses.GET, GH_URL, status=302, headers={"Location": STORAGE_URL})
+    mocked.add(responses.GET, STORAGE_URL, body=BODY)
+    path = make_fetcher(tmp_path, github_token=TOKEN).fetch_asset(GH_BASE, NAME, SHA, len(BODY))
+    assert path.read_bytes() == BODY
+    assert [c.request.url for c in mocked.calls] == [GH_URL, STORAGE_URL]
+    assert mocked.calls[0].request.headers["Authorization"] == f"Bearer {TOKEN}"
+    assert "Authorization" not in mocked.calls[1].request.headers
+
+
+def test_token_not_sent_to_a_mirror(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    make_fetcher(tmp_path, github_token=TOKEN).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert "Authorization" not in mocked.calls[0].request.headers
+
+
+@pytest.mark.parametrize(
+    "url, sent",
+    [
+        ("https://github.com/o/r/releases/download/v1/x", True),
+        ("https://api.github.com/repos/o/r/releases", True),
+        ("https://GitHub.com/o/r", True),
+        ("http://github.com/o/r", False),
+        ("https://github.com:8443/o/r", False),
+        ("https://github.com.evil.example/o/r", False),
+        ("https://evilgithub.com/o/r", False),
+        ("https://objects.githubusercontent.com/x", False),
+        ("file:///tmp/wheelhouse/x", False),
+    ],
+)
+def test_auth_headers_only_for_github_over_https(url, sent):
+    assert fetch.auth_headers(url, TOKEN) == ({"Authorization": f"Bearer {TOKEN}"} if sent else {})
+    assert fetch.auth_headers(url, None) == {}
+
+
+def test_404_is_a_fetch_error_naming_status_and_url(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, status=404)
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    message = str(info.value)
+    assert "HTTP 404 Not Found" in message and MIRROR_URL in message and "(1 attempt)" in message
+    assert len(mocked.calls) == 1
+    assert cache_entries(tmp_path) == []
+
+
+def test_403_with_retry_after_is_retried(tmp_path, mocked):
+    mocked.add(responses.GET, GH_URL, status=403, headers={"Retry-After": "1"})
+    mocked.add(responses.GET, GH_URL, body=BODY)
+    path = make_fetcher(tmp_path).fetch_asset(GH_BASE, NAME, SHA, len(BODY))
+    assert path.read_bytes() == BODY
+    assert len(mocked.calls) == 2
+
+
+def test_403_without_retry_after_is_not_retried(tmp_path, mocked):
+    mocked.add(responses.GET, GH_URL, status=403)
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path).fetch_asset(GH_BASE, NAME, SHA, len(BODY))
+    assert len(mocked.calls) == 1
+    assert "HTTP 403 Forbidden" in str(info.value)
+    assert "GITHUB_TOKEN" in str(info.value)  # the hint, for a GitHub host without a token
+
+
+@pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
+def test_transient_status_then_200(tmp_path, mocked, status):
+    mocked.add(responses.GET, MIRROR_URL, status=status)
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    path = make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert path.read_bytes() == BODY
+    assert len(mocked.calls) == 2
+
+
+def test_500_forever_gives_up_after_retries_plus_one(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, status=500)
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert len(mocked.calls) == RETRIES + 1
+    assert "HTTP 500 Internal Server Error" in str(info.value)
+    assert f"({RETRIES + 1} attempts)" in str(info.value)
+    assert cache_entries(tmp_path) == []
+
+
+def test_truncated_body_leaves_nothing_in_cache(tmp_path, mocked):
+    mocked.add(
+        responses.GET,
+        MIRROR_URL,
+        body=BODY[:100],
+        headers={"Content-Length": str(len(BODY))},
+        auto_calculate_content_length=False,
+    )
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert "connection broken" in str(info.value) and "IncompleteRead" in str(info.value)
+    # urllib3 cannot retry a body that breaks off; the fetcher retries the download itself.
+    assert len(mocked.calls) == RETRIES + 1
+    assert cache_entries(tmp_path) == []
+
+
+def test_wrong_checksum_is_never_retried_nor_kept(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY + b"tampered")
+    with pytest.raises(VerificationError) as info:
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, None)
+    assert SHA in str(info.value) and "FORCE_BUILD=1" in str(info.value)
+    assert len(mocked.calls) == 1
+    assert cache_entries(tmp_path) == []  # no final file, no .partial- file
+
+
+def test_wrong_size_is_a_verification_error(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    with pytest.raises(VerificationError):
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY) - 1)
+    assert cache_entries(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "error, words",
+    [
+        (requests.exceptions.ConnectTimeout(), "connection timed out after 10 s"),
+        (requests.exceptions.ReadTimeout(), "timed out after 30 s waiting for data"),
+        (requests.exceptions.ConnectionError(), "connection error"),
+    ],
+)
+def test_network_errors_become_fetch_errors(tmp_path, mocked, error, words):
+    mocked.add(responses.GET, MIRROR_URL, body=error)
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert words in str(info.value) and MIRROR_URL in str(info.value)
+    assert cache_entries(tmp_path) == []
+
+
+def test_token_never_appears_in_errors(tmp_path, mocked):
+    mocked.add(responses.GET, GH_URL, status=404)
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path, github_token=TOKEN).fetch_asset(GH_BASE, NAME, SHA, len(BODY))
+    assert TOKEN not in str(info.value) and TOKEN not in repr(info.value)
+    assert "GITHUB_TOKEN" not in str(info.value)  # 404: no rate-limit hint
+
+
+def test_display_url_drops_credentials_and_query():
+    shown = fetch.display_url("https://user:pa55@mirror.example:8443/a/b.whl?X-Amz-Signature=zz#f")
+    assert shown == "https://mirror.example:8443/a/b.whl"
+
+
+# -- cache ----------------------------------------------------------------------------------------
+
+
+def test_cache_hit_makes_no_request(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    first = make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    logs = []
+    second = make_fetcher(tmp_path, logs).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert first == second
+    assert len(mocked.calls) == 1
+    assert any(line.startswith(f"using cached {NAME}") for line in logs)
+
+
+def test_corrupted_cached_file_is_downloaded_again(tmp_path, mocked):
+    cached = tmp_path / "cache" / SHA / NAME
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"bit rot")
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    logs = []
+    path = make_fetcher(tmp_path, logs).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert path.read_bytes() == BODY
+    assert len(mocked.calls) == 1
+    assert any("unusable" in line for line in logs)
+
+
+def test_leftover_partial_files_are_cleaned_under_the_lock(tmp_path, mocked):
+    folder = tmp_path / "cache" / SHA
+    folder.mkdir(parents=True)
+    (folder / ".partial-killed").write_bytes(b"half")
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert cache_entries(tmp_path) == [NAME]
+
+
+def test_concurrent_fetches_download_once(tmp_path, mocked):
+    def slow(request):
+        time.sleep(0.2)
+        return (200, {}, BODY)
+
+    mocked.add_callback(responses.GET, MIRROR_URL, callback=slow)
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY)))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 2 and results[0] == results[1]
+    assert len(mocked.calls) == 1
+
+
+@pytest.mark.parametrize("sha", [None, "", "abc", "../" + SHA[3:]])
+def test_asset_without_valid_sha256_is_refused_before_any_request(tmp_path, mocked, sha):
+    with pytest.raises(VerificationError, match="refusing to install an unverified wheel"):
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, sha, len(BODY))
+    assert len(mocked.calls) == 0
+
+
+@pytest.mark.parametrize("name", ["", "../evil.whl", "a/b.whl", ".lock"])
+def test_asset_name_must_be_a_plain_file_name(tmp_path, mocked, name):
+    with pytest.raises(FetchError, match="not a plain file name"):
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, name, SHA, len(BODY))
+    assert len(mocked.calls) == 0
+
+
+# -- offline and file:// --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def wheelhouse(tmp_path):
+    folder = tmp_path / "wheelhouse"
+    folder.mkdir()
+    (folder / NAME).write_bytes(BODY)
+    (folder / "manifest.json").write_text('{"version": "0.1.0", "assets": []}')
+    return folder
+
+
+def test_offline_refuses_http(tmp_path, mocked):
+    fetcher = make_fetcher(tmp_path, offline=True)
+    with pytest.raises(FetchError) as info:
+        fetcher.fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert str(info.value) == (
+        f"CUDELTA_OFFLINE=1: not downloading {MIRROR_URL}; point CUDELTA_WHEEL_URL at a file:// "
+        "wheelhouse or unset CUDELTA_OFFLINE"
+    )
+    with pytest.raises(FetchError, match="CUDELTA_OFFLINE=1"):
+        fetcher.fetch_json(MIRROR_BASE, "manifest.json")
+    assert len(mocked.calls) == 0
+
+
+def test_offline_still_uses_the_cache(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    path = make_fetcher(tmp_path, offline=True).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert path.read_bytes() == BODY and len(mocked.calls) == 1
+
+
+def test_file_wheelhouse_works_offline(tmp_path, wheelhouse):
+    fetcher = make_fetcher(tmp_path, offline=True)
+    path = fetcher.fetch_asset(wheelhouse.as_uri(), NAME, SHA, len(BODY))
+    assert path == tmp_path / "cache" / SHA / NAME and path.read_bytes() == BODY
+    assert fetcher.fetch_json(wheelhouse.as_uri(), "manifest.json") == {"version": "0.1.0", "assets": []}
+
+
+def test_file_wheelhouse_missing_file(tmp_path, wheelhouse):
+    fetcher = make_fetcher(tmp_path)
+    with pytest.raises(FetchError, match="could not read file://.*missing.whl"):
+        fetcher.fetch_asset(wheelhouse.as_uri(), "missing.whl", SHA, None)
+    with pytest.raises(FetchError, match="could not read file://.*nope.json"):
+        fetcher.fetch_json(wheelhouse.as_uri(), "nope.json")
+
+
+def test_file_wheelhouse_is_verified_too(tmp_path, wheelhouse):
+    (wheelhouse / NAME).write_bytes(BODY + b"tampered")
+    with pytest.raises(VerificationError):
+        make_fetcher(tmp_path).fetch_asset(wheelhouse.as_uri(), NAME, SHA, None)
+    assert cache_entries(tmp_path) == []
+
+
+# -- the manifest ---------------------------------------------------------------------------------
+
+
+def test_fetch_json_over_http(tmp_path, mocked):
+    mocked.add(responses.GET, f"{GH_BASE}/manifest.json", json={"assets": [1]})
+    assert make_fetcher(tmp_path).fetch_json(GH_BASE, "manifest.json") == {"assets": [1]}
+
+
+@pytest.mark.parametrize("body, words", [(b"<html>not json", "is not valid JSON"), (b"[1, 2]", "not an object")])
+def test_fetch_json_rejects_bad_content(tmp_path, mocked, body, words):
+    mocked.add(responses.GET, f"{GH_BASE}/manifest.json", body=body)
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path).fetch_json(GH_BASE, "manifest.json")
+    assert words in str(info.value) and f"{GH_BASE}/manifest.json" in str(info.value)
+
+
+def test_fetch_json_invalid_file(tmp_path, wheelhouse):
+    (wheelhouse / "manifest.json").write_text("{")
+    with pytest.raises(FetchError, match="manifest.json is not valid JSON"):
+        make_fetcher(tmp_path).fetch_json(wheelhouse.as_uri(), "manifest.json")
+
+
+def test_fetch_json_http_error(tmp_path, mocked):
+    mocked.add(responses.GET, f"{GH_BASE}/manifest.json", status=503)
+    with pytest.raises(FetchError, match="HTTP 503"):
+        make_fetcher(tmp_path).fetch_json(GH_BASE, "manifest.json")
+    assert len(mocked.calls) == RETRIES + 1
+
+
+# -- the retry policy -----------------------------------------------------------------------------
+
+
+def _response_with(headers):
+    return HTTPResponse(body=b"", headers=headers, status=403, preload_content=False)
+
+
+def test_retry_after_is_capped(tmp_path):
+    retry = make_fetcher(tmp_path).retry
+    assert retry.get_retry_after(_response_with({"Retry-After": "3600"})) == 60.0
+    in_an_hour = formatdate(time.time() + 3600, usegmt=True)
+    assert retry.get_retry_after(_response_with({"Retry-After": in_an_hour})) <= 60.0
+    assert retry.get_retry_after(_response_with({"Retry-After": "5"})) == 5.0
+    # A malformed value falls back to the backoff instead of raising mid-request.
+    assert retry.get_retry_after(_response_with({"Retry-After": "soon"})) == 0.0
+
+
+def test_retry_policy_shape(tmp_path):
+    retry = make_fetcher(tmp_path).retry
+    assert (retry.total, retry.connect, retry.read, retry.status) == (RETRIES,) * 4
+    assert 403 not in retry.status_forcelist and set(retry.status_forcelist) == {429, 500, 502, 503, 504}
+    assert retry.is_retry("GET", 403, has_retry_after=True)
+    assert not retry.is_retry("GET", 403, has_retry_after=False)
+    assert not retry.is_retry("POST", 500)
+    assert not retry.raise_on_status and retry.respect_retry_after_header
+    # urllib3 copies the policy on each attempt; the cap must survive the copy.
+    later = retry.increment("GET", "/x", response=_response_with({"Retry-After": "3600"}))
+    assert isinstance(later, fetch.CappedRetry) and later.max_retry_after == 60.0
+
+
+# -- a real HTTP server: urllib3's own retry and Content-Length paths -----------------------------
+
+
+def _reply(status, body=b"", headers=None, length=None, delay=0.0):
+    def step(handler):
+        time.sleep(delay)
+        handler.send_response(status)
+        for key, value in (headers or {}).items():
+            handler.send_header(key, value)
+        handler.send_header("Content-Length", str(len(body) if length is None else length))
+        if length is not None:
+            handler.send_header("Connection", "close")
+            handler.close_connection = True
+        handler.end_headers()
+        try:
+            handler.wfile.write(body)
+        except OSError:
+            pass
+
+    return step
+
+
+@pytest.fixture
+def server():
+    routes, hits = {}, Counter()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            hits[self.path] += 1
+            plan = routes[self.path]
+            (plan.pop(0) if len(plan) > 1 else plan[0])(self)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield SimpleNamespace(base=f"http://127.0.0.1:{httpd.server_port}/v0.1.0", routes=routes, hits=hits)
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def local_session():
+    session = requests.Session()
+    session.trust_env = False  # no proxy from the environment for 127.0.0.1
+    return session
+
+
+def test_real_server_500_forever_counts_attempts(tmp_path, server):
+    server.routes[f"/v0.1.0/{NAME}"] = [_reply(500)]
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path, session=local_session()).fetch_asset(server.base, NAME, SHA, len(BODY))
+    assert server.hits[f"/v0.1.0/{NAME}"] == RETRIES + 1
+    assert f"HTTP 500 Internal Server Error ({RETRIES + 1} attempts)" in str(info.value)
+
+
+def test_real_server_403_retry_after_then_200(tmp_path, server):
+    server.routes[f"/v0.1.0/{NAME}"] = [_reply(403, headers={"Retry-After": "0"}), _reply(200, BODY)]
+    path = make_fetcher(tmp_path, session=local_session()).fetch_asset(server.base, NAME, SHA, len(BODY))
+    assert path.read_bytes() == BODY and server.hits[f"/v0.1.0/{NAME}"] == 2
+
+
+def test_real_server_truncated_body(tmp_path, server):
+    server.routes[f"/v0.1.0/{NAME}"] = [_reply(200, BODY[:100], length=len(BODY))]
+    with pytest.raises(FetchError, match="connection broken.*IncompleteRead"):
+        make_fetcher(tmp_path, session=local_session()).fetch_asset(server.base, NAME, SHA, None)
+    assert cache_entries(tmp_path) == []
+
+
+def test_real_server_read_timeout(tmp_path, server):
+    server.routes[f"/v0.1.0/{NAME}"] = [_reply(200, BODY, delay=0.5)]
+    fetcher = make_fetcher(tmp_path, session=local_session(), http_timeout=0.1, http_retries=1)
+    with pytest.raises(FetchError) as info:
+        fetcher.fetch_asset(server.base, NAME, SHA, len(BODY))
+    assert "timed out after 0.1 s waiting for data (2 attempts)" in str(info.value)
+
+
+def test_real_connection_refused(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path, session=local_session()).fetch_asset(f"http://127.0.0.1:{port}/v", NAME, SHA, None)
+    message = str(info.value)
+    assert "could not connect" in message and f"({RETRIES + 1} attempts)" in message
+    assert "<urllib3" not in message and "HTTPConnection(" not in message
