@@ -9,13 +9,13 @@ furthest explains the refusal, since its failing rule is the one the user is clo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from packaging.tags import Tag, compatible_tags, cpython_tags, generic_tags
 from packaging.version import InvalidVersion, Version
 
 from .manifest import Asset, Manifest
-from .target import Gpu, TargetEnv
+from .target import TargetEnv
 
 PURE_PYTHON_TAIL = "installing the pure-Python wheel (ops run the PyTorch reference path)"
 
