@@ -17,6 +17,20 @@ from .reference import gdn_decode_reference
 VARIANT_NAMES = {v: k for k, v in _native.VARIANTS.items()}
 
 
+def driver_cuda_version() -> Optional[str]:
+    """The CUDA version the driver supports (cuDriverGetVersion), e.g. '13.0'."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        ver = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(ver)) != 0:
+            return None
+        return f"{ver.value // 1000}.{ver.value % 1000 // 10}"
+    except OSError:
+        return None
+
+
 def install_source() -> dict:
     try:
         dist = metadata.distribution("cudelta")
@@ -24,9 +38,16 @@ def install_source() -> dict:
         return {"installed": False}
     text = dist.read_text("cudelta_source.json")
     source = json.loads(text) if text else None
-    return {"installed": True, "version": dist.version,
-            "from": "prebuilt release asset" if source else "built on this machine (or pure-Python)",
-            "asset": source}
+    build = (_native.read_build_info() or {}).get("build")
+    if source:
+        how = "prebuilt release asset, fetched and verified by the sdist's installer"
+    elif build == "release":
+        how = "release wheel installed directly (URL, --find-links or index)"
+    elif build == "local":
+        how = "compiled on this machine"
+    else:
+        how = "pure-Python wheel (PyTorch reference ops)"
+    return {"installed": True, "version": dist.version, "from": how, "asset": source}
 
 
 def smoke_inputs(device: str, seed: int = 0):
@@ -103,11 +124,7 @@ def report(run_smoke: bool = True) -> dict:
     if st.loaded:
         out["library_build_info"] = json.loads(torch.ops.cudelta.build_info())
     if torch.cuda.is_available():
-        try:
-            drv = torch._C._cuda_getDriverVersion()
-            out["driver_cuda"] = f"{drv // 1000}.{drv % 1000 // 10}"
-        except Exception:  # private API; the report goes on without it
-            out["driver_cuda"] = None
+        out["driver_cuda"] = driver_cuda_version()
         out["gpus"] = [gpu_report(i, run_smoke) for i in range(torch.cuda.device_count())]
     return out
 

@@ -33,6 +33,7 @@ class NativeStatus:
     build_info: Optional[dict]
     loaded: bool
     reason: str  # why not loaded, or "loaded"
+    variant: int = -1  # CUDELTA_KERNEL_VARIANT, read once at load (no environ lookup per call)
 
 
 _lock = threading.Lock()
@@ -81,6 +82,8 @@ def compatibility_problem(info: dict, torch_version: str, torch_cuda: Optional[s
 def status() -> NativeStatus:
     """Load the library once (thread-safe) and say what happened."""
     global _status
+    if _status is not None:  # the lock-free path is what torch.compile traces
+        return _status
     with _lock:
         if _status is None:
             _status = _load()
@@ -102,7 +105,7 @@ def _load() -> NativeStatus:
     except (OSError, RuntimeError) as exc:
         return NativeStatus(path, info, False, f"loading {path.name} failed: {exc}. Rebuild: FORCE_BUILD=1 {REINSTALL}")
     _register_fake()
-    return NativeStatus(path, info, True, "loaded")
+    return NativeStatus(path, info, True, "loaded", requested_variant())
 
 
 def _register_fake() -> None:

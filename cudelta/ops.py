@@ -62,4 +62,4 @@ def gdn_decode(
         return gdn_decode_reference(q, k, v, g, beta, state, idx, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                     layout=layout)
     return torch.ops.cudelta.gdn_decode(q, k, v, g.float(), beta.float(), state, idx, scale, use_qk_l2norm,
-                                        _native.requested_variant())
+                                        st.variant)
