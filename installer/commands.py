@@ -21,6 +21,7 @@ from typing import Optional
 
 from setuptools import Extension
 from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
+from setuptools.command.sdist import sdist as _sdist
 
 from . import native
 from .errors import InstallerError, VerificationError
@@ -273,5 +274,14 @@ def _fail(exc: InstallerError) -> None:
     raise SystemExit(1)
 
 
+class sdist(_sdist):
+    def make_release_tree(self, base_dir, files) -> None:
+        super().make_release_tree(base_dir, files)
+        # An sdist has no .git: stamp the revision so a local build can still report it.
+        stamp = Path(base_dir) / "installer" / "GIT_REVISION"
+        stamp.unlink(missing_ok=True)  # may be a hard link into the source tree
+        stamp.write_text(native.git_revision() + "\n")
+
+
 def cmdclass() -> dict:
-    return {"bdist_wheel": bdist_wheel}
+    return {"bdist_wheel": bdist_wheel, "sdist": sdist}

@@ -146,6 +146,9 @@ def gcc_major_of(host_compiler: Optional[str]) -> Optional[int]:
 
 
 def git_revision(root: Path = ROOT) -> str:
+    stamp = root / "installer" / "GIT_REVISION"
+    if not (root / ".git").exists():  # an sdist: never ask git, it might answer for an enclosing repo
+        return stamp.read_text().strip() if stamp.is_file() else "unknown"
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
                              capture_output=True, text=True, timeout=5)
@@ -156,8 +159,7 @@ def git_revision(root: Path = ROOT) -> str:
             return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    stamp = root / "installer" / "GIT_REVISION"
-    return stamp.read_text().strip() if stamp.is_file() else "unknown"
+    return "unknown"
 
 
 def build_record(*, version: str, toolkit: str, archs: Sequence[ArchTarget], torch_version: str,
