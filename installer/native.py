@@ -141,8 +141,11 @@ def check_toolchain(torch_cuda: Optional[str], nvcc_version: Optional[str], gcc_
 def gcc_major_of(host_compiler: Optional[str]) -> Optional[int]:
     if not host_compiler:
         return None
-    m = re.search(r"(?:gcc|g\+\+|GCC)[^\d]*(\d+)\.\d+", host_compiler)
-    return int(m.group(1)) if m and "clang" not in host_compiler.lower() else None
+    if "clang" in host_compiler.lower():
+        return None
+    # GCC banners ("c++ (Debian 12.2.0-14) 12.2.0", "g++ (GCC) 13.3.1 ...") end with the version.
+    versions = re.findall(r"(\d+)\.\d+\.\d+", host_compiler)
+    return int(versions[-1]) if versions else None
 
 
 def git_revision(root: Path = ROOT) -> str:

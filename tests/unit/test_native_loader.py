@@ -1,0 +1,50 @@
+"""The run-time guards that turn a mismatched library into an actionable error before dlopen."""
+
+import pytest
+
+pytest.importorskip("torch")
+
+from cudelta import _native  # noqa: E402
+
+INFO = {"cuda_toolkit": "13.0", "archs": ["sm_80", "sm_90a"], "ptx": ["compute_120"], "torch_floor": "2.10"}
+
+
+def test_matching_torch_is_fine():
+    assert _native.compatibility_problem(INFO, "2.11.0+cu130", "13.0") is None
+    assert _native.compatibility_problem(INFO, "2.14.1+cu132", "13.2") is None
+
+
+def test_cuda_major_mismatch_names_both_and_the_reinstall_command():
+    msg = _native.compatibility_problem(INFO, "2.11.0+cu128", "12.8")
+    assert "CUDA 13.0" in msg and "CUDA 12.8" in msg and "--force-reinstall" in msg and "--no-cache-dir" in msg
+
+
+def test_torch_below_the_stable_abi_floor():
+    msg = _native.compatibility_problem(INFO, "2.9.1+cu130", "13.0")
+    assert "2.10" in msg and "torch>=2.10" in msg
+
+
+def test_cpu_torch_cannot_use_the_cuda_library():
+    assert "CPU build" in _native.compatibility_problem(INFO, "2.13.0+cpu", None)
+
+
+@pytest.mark.parametrize("raw,expected", [("", -1), ("auto", -1), ("generic", 0), ("SM80", 1), ("sm90", 2)])
+def test_kernel_variant_variable(raw, expected):
+    assert _native.requested_variant({"CUDELTA_KERNEL_VARIANT": raw}) == expected
+
+
+def test_bad_kernel_variant_names_the_accepted_values():
+    with pytest.raises(ValueError, match="CUDELTA_KERNEL_VARIANT='sm100'.*auto, generic, sm80, sm90"):
+        _native.requested_variant({"CUDELTA_KERNEL_VARIANT": "sm100"})
+
+
+def test_source_tree_has_no_library_and_cpu_tensors_use_the_reference():
+    import torch
+
+    import cudelta
+
+    q = torch.randn(1, 1, 64)
+    state = torch.zeros(2, 1, 64, 64)
+    out = cudelta.gdn_decode(q, q, torch.randn(1, 1, 64), torch.zeros(1, 1), torch.ones(1, 1), state,
+                             torch.tensor([1]))
+    assert out.shape == (1, 1, 64) and state[1].abs().sum() > 0 and state[0].abs().sum() == 0
