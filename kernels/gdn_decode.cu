@@ -47,7 +47,7 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+[[maybe_unused]] __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
@@ -121,87 +121,22 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-template <typename T, int K, Variant VAR>
-__global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const GdnDecodeParams p) {
-  constexpr int R = K / 16;  // rows per thread
-  constexpr int kWarps = kThreads / 32;
-#if defined(__CUDA_ARCH__)
-  if constexpr (VAR == Variant::kSm80) {
-#if __CUDA_ARCH__ < 800
-    __trap();  // host never selects this variant for an image below sm_80
-#endif
-  }
-  if constexpr (VAR == Variant::kSm90) {
-#if __CUDA_ARCH__ < 900
-    __trap();
-#endif
-  }
-#endif
-  __shared__ float qs[K];
-  __shared__ float ks[K];
-  __shared__ float red3[kWarps][3];
-  __shared__ float red[kWarps][8][8];
-  __shared__ uint64_t bars[2];
-  extern __shared__ float4 tile[];  // async variants: [K][8] float4
+// q and k of head h to shared memory as float, with the three dot products the step needs
+// (|q|^2, |k|^2, q.k) reduced over the block. Every thread gets the same scales back.
+struct QkScales {
+  float q;   // multiplies raw q: l2-normalisation and the attention scale
+  float k;   // multiplies raw k: l2-normalisation
+  float qk;  // (k . q) after scaling, for o = h'^T q + u (k . q)
+};
 
-  const int t = threadIdx.x;
-  const int c = t & 7;
-  const int r = t >> 3;
-  const int lane = t & 31;
-  const int warp = t >> 5;
-
-  const int64_t nh = blockIdx.x;
-  const int64_t n = nh / p.HV;
-  const int64_t hv = nh - n * p.HV;
-  const int64_t h = hv / (p.HV / p.H);
-  const int64_t col = int64_t(blockIdx.y) * kTileV + 4 * c;
-
-  const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n]
-                                      : static_cast<const int32_t*>(p.idx)[n];
-  T* out = static_cast<T*>(p.out) + nh * p.V + col;
-  if (slot < 0 || slot >= p.P) {
-    if (r == 0) {
-#pragma unroll
-      for (int m = 0; m < 4; ++m) out[m] = from_float<T>(0.f);
-    }
-    return;
-  }
-  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * p.V + int64_t(blockIdx.y) * kTileV;
-
-  // Start the state tile on its way before anything else.
-  if constexpr (VAR == Variant::kSm80) {
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int row = r + 16 * j;
-      cp_async_16(&tile[row * 8 + c], S + int64_t(row) * p.V + 4 * c);
-      if (j == R / 2 - 1) cp_async_commit();
-    }
-    cp_async_commit();
-  } else if constexpr (VAR == Variant::kSm90) {
-    if (t == 0) {
-      mbar_init(&bars[0], 1);
-      mbar_init(&bars[1], 1);
-      mbar_fence_init();
-    }
-    __syncthreads();
-    if (warp == 0) {
-      constexpr uint32_t kHalfBytes = (K / 2) * kTileV * sizeof(float);
-      if (lane == 0) {
-        mbar_arrive_expect_tx(&bars[0], kHalfBytes);
-        mbar_arrive_expect_tx(&bars[1], kHalfBytes);
-      }
-      __syncwarp();
-      for (int row = lane; row < K; row += 32) {
-        bulk_g2s(&tile[row * 8], S + int64_t(row) * p.V, kTileV * sizeof(float), &bars[row < K / 2 ? 0 : 1]);
-      }
-    }
-  }
-
-  // Prologue: q, k to shared memory, with the three dot products the step needs.
+template <typename T, int K, int kWarps>
+__device__ __forceinline__ QkScales load_qk(const GdnDecodeParams& p, int64_t n, int64_t h, float* qs, float* ks,
+                                            float (*red3)[3]) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const T* qp = static_cast<const T*>(p.q) + n * p.q_stride_n + h * p.q_stride_h;
   const T* kp = static_cast<const T*>(p.k) + n * p.k_stride_n + h * p.k_stride_h;
   float sqq = 0.f, skk = 0.f, sqk = 0.f;
-  for (int i = t; i < K; i += kThreads) {
+  for (int i = t; i < K; i += kWarps * 32) {
     const float qv = to_float<T>(qp[i]);
     const float kv = to_float<T>(kp[i]);
     qs[i] = qv;
@@ -218,12 +153,6 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const GdnDecodePar
     red3[warp][1] = skk;
     red3[warp][2] = sqk;
   }
-  const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + hv * p.v_stride_h + col;
-  float vv[4];
-#pragma unroll
-  for (int m = 0; m < 4; ++m) vv[m] = to_float<T>(vp[m]);
-  const float decay = __expf(p.g[nh]);
-  const float beta = p.beta[nh];
   __syncthreads();
   sqq = skk = sqk = 0.f;
 #pragma unroll
@@ -232,12 +161,79 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const GdnDecodePar
     skk += red3[w][1];
     sqk += red3[w][2];
   }
-  const float kscale = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
-  const float qscale = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
-  const float qk = sqk * kscale * qscale;
+  QkScales sc;
+  sc.k = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
+  sc.q = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
+  sc.qk = sqk * sc.k * sc.q;
+  return sc;
+}
+
+__device__ __forceinline__ int64_t load_slot(const GdnDecodeParams& p, int64_t n) {
+  return p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
+}
+
+// generic and sm80: one block per (n, hv, 32-column tile); thread t owns column group t % 8 of
+// rows t / 8 + 16 j, so each warp's float4 accesses cover four whole 128-byte rows.
+template <typename T, int K, Variant VAR>
+__global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDecodeParams p) {
+  constexpr int R = K / 16;  // rows per thread
+  constexpr int kWarps = kThreads / 32;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  if constexpr (VAR == Variant::kSm80) __trap();  // the host never selects sm80 for such an image
+#endif
+  __shared__ float qs[K];
+  __shared__ float ks[K];
+  __shared__ float red3[kWarps][3];
+  __shared__ float red[kWarps][8][8];
+  extern __shared__ float4 tile[];  // sm80: [K][8] float4
+
+  const int t = threadIdx.x;
+  const int c = t & 7;
+  const int r = t >> 3;
+  const int lane = t & 31;
+  const int warp = t >> 5;
+
+  const int64_t nh = blockIdx.x;
+  const int64_t n = nh / p.HV;
+  const int64_t hv = nh - n * p.HV;
+  const int64_t h = hv / (p.HV / p.H);
+  const int64_t col = int64_t(blockIdx.y) * kTileV + 4 * c;
+
+  const int64_t slot = load_slot(p, n);
+  T* out = static_cast<T*>(p.out) + nh * p.V + col;
+  if (slot < 0 || slot >= p.P) {
+    if (r == 0) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) out[m] = from_float<T>(0.f);
+    }
+    return;
+  }
+  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * p.V + int64_t(blockIdx.y) * kTileV;
+
+  // The state tile goes first: its loads are in flight while q and k are reduced.
+  float4 s[R] = {};
+  if constexpr (VAR == Variant::kGeneric) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const float4*>(S + int64_t(r + 16 * j) * p.V + 4 * c);
+  } else {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int row = r + 16 * j;
+      cp_async_16(&tile[row * 8 + c], S + int64_t(row) * p.V + 4 * c);
+      if (j == R / 2 - 1) cp_async_commit();
+    }
+    cp_async_commit();
+  }
+
+  const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + hv * p.v_stride_h + col;
+  float vv[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) vv[m] = to_float<T>(vp[m]);
+  const float decay = __expf(p.g[nh]);
+  const float beta = p.beta[nh];
+  const QkScales sc = load_qk<T, K, kWarps>(p, n, h, qs, ks, red3);
 
   // Decay the tile and reduce both dot products in one pass.
-  float4 s[R] = {};
   float pk[4] = {0.f, 0.f, 0.f, 0.f};
   float pq[4] = {0.f, 0.f, 0.f, 0.f};
   auto accumulate = [&](int j) {
@@ -252,18 +248,16 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const GdnDecodePar
   };
   if constexpr (VAR == Variant::kGeneric) {
 #pragma unroll
-    for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const float4*>(S + int64_t(r + 16 * j) * p.V + 4 * c);
-#pragma unroll
     for (int j = 0; j < R; ++j) accumulate(j);
   } else {
-    // Each half is read once its copies have landed: own copies (cp.async) or the mbarrier.
-    if constexpr (VAR == Variant::kSm80) cp_async_wait<1>(); else mbar_wait(&bars[0], 0);
+    // A thread reads back only what it copied itself, so its own wait_group suffices.
+    cp_async_wait<1>();
 #pragma unroll
     for (int j = 0; j < R / 2; ++j) {
       s[j] = tile[(r + 16 * j) * 8 + c];
       accumulate(j);
     }
-    if constexpr (VAR == Variant::kSm80) cp_async_wait<0>(); else mbar_wait(&bars[1], 0);
+    cp_async_wait<0>();
 #pragma unroll
     for (int j = R / 2; j < R; ++j) {
       s[j] = tile[(r + 16 * j) * 8 + c];
@@ -294,10 +288,8 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const GdnDecodePar
       tk += red[w][c][m];
       tq += red[w][c][4 + m];
     }
-    tk *= kscale;
-    tq *= qscale;
-    u[m] = beta * (vv[m] - tk);
-    o[m] = tq + u[m] * qk;
+    u[m] = beta * (vv[m] - tk * sc.k);
+    o[m] = tq * sc.q + u[m] * sc.qk;
   }
   if (r == 0) {
 #pragma unroll
@@ -306,7 +298,7 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const GdnDecodePar
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     const int row = r + 16 * j;
-    const float kr = ks[row] * kscale;
+    const float kr = ks[row] * sc.k;
     float4 x = s[j];
     x.x += kr * u[0];
     x.y += kr * u[1];
@@ -316,20 +308,148 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const GdnDecodePar
   }
 }
 
+// sm90: one block per (n, hv) and the whole [K, V] state, which is contiguous: the TMA engine
+// brings it in as kChunks bulk copies, each completing on its own mbarrier, so the first rows are
+// reduced while the rest are still arriving. Thread t owns column group t % (V/4) of rows
+// t / (V/4) + kRowGroups j. Handles V == 128.
+constexpr int kSm90Threads = 256;
+constexpr int kSm90V = 128;
+constexpr int kSm90Chunks = 4;
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kSm90Threads) gdn_decode_sm90_kernel(const GdnDecodeParams p) {
+  constexpr int kCols = kSm90V / 4;                 // float4 column groups: 32
+  constexpr int kRowGroups = kSm90Threads / kCols;  // 8, one per warp
+  constexpr int R = K / kRowGroups;                 // rows per thread
+  constexpr int kRowsPerChunk = K / kSm90Chunks;
+  constexpr int kWarps = kSm90Threads / 32;
+  __shared__ float qs[K];
+  __shared__ float ks[K];
+  __shared__ float red3[kWarps][3];
+  __shared__ float4 red[kWarps][kCols][2];
+  __shared__ uint64_t bars[kSm90Chunks];
+  extern __shared__ float4 tile[];  // [K][kCols]
+
+  const int t = threadIdx.x;
+  const int c = t % kCols;
+  const int r = t / kCols;  // == warp
+  const int64_t nh = blockIdx.x;
+  const int64_t n = nh / p.HV;
+  const int64_t hv = nh - n * p.HV;
+  const int64_t h = hv / (p.HV / p.H);
+
+  const int64_t slot = load_slot(p, n);
+  T* out = static_cast<T*>(p.out) + nh * kSm90V + 4 * c;
+  if (slot < 0 || slot >= p.P) {
+    if (r == 0) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) out[m] = from_float<T>(0.f);
+    }
+    return;
+  }
+  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * kSm90V;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // the host never selects sm90 for an image below sm_90 (the helpers compile to nothing)
+#endif
+  if (t == 0) {
+    // Other threads touch the barriers only after load_qk's __syncthreads, which orders the init.
+    constexpr uint32_t kChunkBytes = kRowsPerChunk * kSm90V * sizeof(float);
+#pragma unroll
+    for (int i = 0; i < kSm90Chunks; ++i) mbar_init(&bars[i], 1);
+    mbar_fence_init();
+#pragma unroll
+    for (int i = 0; i < kSm90Chunks; ++i) {
+      mbar_arrive_expect_tx(&bars[i], kChunkBytes);
+      bulk_g2s(&tile[i * kRowsPerChunk * kCols], S + int64_t(i) * kRowsPerChunk * kSm90V, kChunkBytes, &bars[i]);
+    }
+  }
+
+  const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + hv * p.v_stride_h + 4 * c;
+  float vv[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) vv[m] = to_float<T>(vp[m]);
+  const float decay = __expf(p.g[nh]);
+  const float beta = p.beta[nh];
+  const QkScales sc = load_qk<T, K, kWarps>(p, n, h, qs, ks, red3);
+
+  float4 s[R];
+  float4 pk = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 pq = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int row = r + kRowGroups * j;
+    if (row % kRowsPerChunk < kRowGroups) mbar_wait(&bars[row / kRowsPerChunk], 0);  // first row of a chunk
+    float4 x = tile[row * kCols + c];
+    x.x *= decay; x.y *= decay; x.z *= decay; x.w *= decay;
+    s[j] = x;
+    const float kr = ks[row], qr = qs[row];
+    pk.x += x.x * kr; pk.y += x.y * kr; pk.z += x.z * kr; pk.w += x.w * kr;
+    pq.x += x.x * qr; pq.y += x.y * qr; pq.z += x.z * qr; pq.w += x.w * qr;
+  }
+  red[r][c][0] = pk;
+  red[r][c][1] = pq;
+  __syncthreads();
+  float4 tk = make_float4(0.f, 0.f, 0.f, 0.f), tq = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int w = 0; w < kRowGroups; ++w) {
+    const float4 a = red[w][c][0], b = red[w][c][1];
+    tk.x += a.x; tk.y += a.y; tk.z += a.z; tk.w += a.w;
+    tq.x += b.x; tq.y += b.y; tq.z += b.z; tq.w += b.w;
+  }
+  const float u[4] = {beta * (vv[0] - tk.x * sc.k), beta * (vv[1] - tk.y * sc.k), beta * (vv[2] - tk.z * sc.k),
+                      beta * (vv[3] - tk.w * sc.k)};
+  if (r == 0) {
+    out[0] = from_float<T>(tq.x * sc.q + u[0] * sc.qk);
+    out[1] = from_float<T>(tq.y * sc.q + u[1] * sc.qk);
+    out[2] = from_float<T>(tq.z * sc.q + u[2] * sc.qk);
+    out[3] = from_float<T>(tq.w * sc.q + u[3] * sc.qk);
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int row = r + kRowGroups * j;
+    const float kr = ks[row] * sc.k;
+    float4 x = s[j];
+    x.x += kr * u[0];
+    x.y += kr * u[1];
+    x.z += kr * u[2];
+    x.w += kr * u[3];
+    *reinterpret_cast<float4*>(S + int64_t(row) * kSm90V + 4 * c) = x;
+  }
+}
+
 template <typename T, int K, Variant VAR>
-int launch_typed(const GdnDecodeParams& p, cudaStream_t stream) {
+int launch_tiled(const GdnDecodeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.N * p.HV), static_cast<unsigned>(p.V / kTileV));
   const size_t smem = VAR == Variant::kGeneric ? 0 : size_t(K) * kTileV * sizeof(float);
-  gdn_decode_kernel<T, K, VAR><<<grid, kThreads, smem, stream>>>(p);
+  gdn_decode_tiled_kernel<T, K, VAR><<<grid, kThreads, smem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T, int K>
+int launch_sm90(const GdnDecodeParams& p, cudaStream_t stream) {
+  if (p.V != kSm90V) return launch_tiled<T, K, Variant::kSm80>(p, stream);  // full-width tiles need V == 128
+  constexpr size_t smem = size_t(K) * kSm90V * sizeof(float);
+  // The opt-in above 48 KiB is per device; racing threads all set the same value.
+  static bool configured[64] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= 64 || !configured[device]) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(gdn_decode_sm90_kernel<T, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return static_cast<int>(err);
+    if (device >= 0 && device < 64) configured[device] = true;
+  }
+  gdn_decode_sm90_kernel<T, K><<<static_cast<unsigned>(p.N * p.HV), kSm90Threads, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <typename T, int K>
 int launch_variant(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
   switch (v) {
-    case Variant::kGeneric: return launch_typed<T, K, Variant::kGeneric>(p, stream);
-    case Variant::kSm80: return launch_typed<T, K, Variant::kSm80>(p, stream);
-    case Variant::kSm90: return launch_typed<T, K, Variant::kSm90>(p, stream);
+    case Variant::kGeneric: return launch_tiled<T, K, Variant::kGeneric>(p, stream);
+    case Variant::kSm80: return launch_tiled<T, K, Variant::kSm80>(p, stream);
+    case Variant::kSm90: return launch_sm90<T, K>(p, stream);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
