@@ -178,14 +178,21 @@ template <typename T, int K, Variant VAR>
 __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDecodeParams p) {
   constexpr int R = K / 16;  // rows per thread
   constexpr int kWarps = kThreads / 32;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  if constexpr (VAR == Variant::kSm80) __trap();  // the host never selects sm80 for such an image
+#if defined(__CUDA_ARCH__)
+  // The host never selects a variant above the image's arch; the helpers compile to nothing there.
+  if constexpr (VAR == Variant::kSm80) {
+    if (__CUDA_ARCH__ < 800) __trap();
+  }
+  if constexpr (VAR == Variant::kSm90) {
+    if (__CUDA_ARCH__ < 900) __trap();
+  }
 #endif
   __shared__ float qs[K];
   __shared__ float ks[K];
   __shared__ float red3[kWarps][3];
   __shared__ float red[kWarps][8][8];
-  extern __shared__ float4 tile[];  // sm80: [K][8] float4
+  __shared__ uint64_t bars[2];
+  extern __shared__ float4 tile[];  // sm80, sm90: [K][8] float4
 
   const int t = threadIdx.x;
   const int c = t & 7;
@@ -193,11 +200,15 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
   const int lane = t & 31;
   const int warp = t >> 5;
 
-  const int64_t nh = blockIdx.x;
+  // Consecutive blocks take the column tiles of one head: their interleaved 128-byte row
+  // segments then reach DRAM together instead of a whole grid apart.
+  const int64_t tiles = p.V / kTileV;
+  const int64_t nh = blockIdx.x / tiles;
+  const int64_t tile_v = blockIdx.x - nh * tiles;
   const int64_t n = nh / p.HV;
   const int64_t hv = nh - n * p.HV;
   const int64_t h = hv / (p.HV / p.H);
-  const int64_t col = int64_t(blockIdx.y) * kTileV + 4 * c;
+  const int64_t col = tile_v * kTileV + 4 * c;
 
   const int64_t slot = load_slot(p, n);
   T* out = static_cast<T*>(p.out) + nh * p.V + col;
@@ -208,14 +219,14 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
     }
     return;
   }
-  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * p.V + int64_t(blockIdx.y) * kTileV;
+  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * p.V + tile_v * kTileV;
 
   // The state tile goes first: its loads are in flight while q and k are reduced.
   float4 s[R] = {};
   if constexpr (VAR == Variant::kGeneric) {
 #pragma unroll
     for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const float4*>(S + int64_t(r + 16 * j) * p.V + 4 * c);
-  } else {
+  } else if constexpr (VAR == Variant::kSm80) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const int row = r + 16 * j;
@@ -223,6 +234,22 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
       if (j == R / 2 - 1) cp_async_commit();
     }
     cp_async_commit();
+  } else if (warp == 0) {
+    // sm90: warp 0 hands the TMA engine one 128-byte bulk copy per row; each half of the rows
+    // completes on its own mbarrier. The other warps first touch the barriers after load_qk's
+    // __syncthreads, which orders them after this initialisation.
+    constexpr uint32_t kHalfBytes = (K / 2) * kTileV * sizeof(float);
+    if (lane == 0) {
+      mbar_init(&bars[0], 1);
+      mbar_init(&bars[1], 1);
+      mbar_fence_init();
+      mbar_arrive_expect_tx(&bars[0], kHalfBytes);
+      mbar_arrive_expect_tx(&bars[1], kHalfBytes);
+    }
+    __syncwarp();
+    for (int row = lane; row < K; row += 32) {
+      bulk_g2s(&tile[row * 8], S + int64_t(row) * p.V, kTileV * sizeof(float), &bars[row < K / 2 ? 0 : 1]);
+    }
   }
 
   const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + hv * p.v_stride_h + col;
@@ -250,14 +277,14 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
 #pragma unroll
     for (int j = 0; j < R; ++j) accumulate(j);
   } else {
-    // A thread reads back only what it copied itself, so its own wait_group suffices.
-    cp_async_wait<1>();
+    // sm80: a thread reads back only what it copied itself, so its own wait_group suffices.
+    if constexpr (VAR == Variant::kSm80) cp_async_wait<1>(); else mbar_wait(&bars[0], 0);
 #pragma unroll
     for (int j = 0; j < R / 2; ++j) {
       s[j] = tile[(r + 16 * j) * 8 + c];
       accumulate(j);
     }
-    cp_async_wait<0>();
+    if constexpr (VAR == Variant::kSm80) cp_async_wait<0>(); else mbar_wait(&bars[1], 0);
 #pragma unroll
     for (int j = R / 2; j < R; ++j) {
       s[j] = tile[(r + 16 * j) * 8 + c];
@@ -308,139 +335,11 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
   }
 }
 
-// sm90: one block per (n, hv) and the whole [K, V] state, which is contiguous: the TMA engine
-// brings it in as kChunks bulk copies, each completing on its own mbarrier, so the first rows are
-// reduced while the rest are still arriving. Thread t owns column group t % (V/4) of rows
-// t / (V/4) + kRowGroups j. Handles V == 128.
-constexpr int kSm90Threads = 256;
-constexpr int kSm90V = 128;
-constexpr int kSm90Chunks = 4;
-
-template <typename T, int K>
-__global__ void __launch_bounds__(kSm90Threads) gdn_decode_sm90_kernel(const GdnDecodeParams p) {
-  constexpr int kCols = kSm90V / 4;                 // float4 column groups: 32
-  constexpr int kRowGroups = kSm90Threads / kCols;  // 8, one per warp
-  constexpr int R = K / kRowGroups;                 // rows per thread
-  constexpr int kRowsPerChunk = K / kSm90Chunks;
-  constexpr int kWarps = kSm90Threads / 32;
-  __shared__ float qs[K];
-  __shared__ float ks[K];
-  __shared__ float red3[kWarps][3];
-  __shared__ float4 red[kWarps][kCols][2];
-  __shared__ uint64_t bars[kSm90Chunks];
-  extern __shared__ float4 tile[];  // [K][kCols]
-
-  const int t = threadIdx.x;
-  const int c = t % kCols;
-  const int r = t / kCols;  // == warp
-  const int64_t nh = blockIdx.x;
-  const int64_t n = nh / p.HV;
-  const int64_t hv = nh - n * p.HV;
-  const int64_t h = hv / (p.HV / p.H);
-
-  const int64_t slot = load_slot(p, n);
-  T* out = static_cast<T*>(p.out) + nh * kSm90V + 4 * c;
-  if (slot < 0 || slot >= p.P) {
-    if (r == 0) {
-#pragma unroll
-      for (int m = 0; m < 4; ++m) out[m] = from_float<T>(0.f);
-    }
-    return;
-  }
-  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * kSm90V;
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // the host never selects sm90 for an image below sm_90 (the helpers compile to nothing)
-#endif
-  if (t == 0) {
-    // Other threads touch the barriers only after load_qk's __syncthreads, which orders the init.
-    constexpr uint32_t kChunkBytes = kRowsPerChunk * kSm90V * sizeof(float);
-#pragma unroll
-    for (int i = 0; i < kSm90Chunks; ++i) mbar_init(&bars[i], 1);
-    mbar_fence_init();
-#pragma unroll
-    for (int i = 0; i < kSm90Chunks; ++i) {
-      mbar_arrive_expect_tx(&bars[i], kChunkBytes);
-      bulk_g2s(&tile[i * kRowsPerChunk * kCols], S + int64_t(i) * kRowsPerChunk * kSm90V, kChunkBytes, &bars[i]);
-    }
-  }
-
-  const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + hv * p.v_stride_h + 4 * c;
-  float vv[4];
-#pragma unroll
-  for (int m = 0; m < 4; ++m) vv[m] = to_float<T>(vp[m]);
-  const float decay = __expf(p.g[nh]);
-  const float beta = p.beta[nh];
-  const QkScales sc = load_qk<T, K, kWarps>(p, n, h, qs, ks, red3);
-
-  float4 s[R];
-  float4 pk = make_float4(0.f, 0.f, 0.f, 0.f);
-  float4 pq = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int j = 0; j < R; ++j) {
-    const int row = r + kRowGroups * j;
-    if (row % kRowsPerChunk < kRowGroups) mbar_wait(&bars[row / kRowsPerChunk], 0);  // first row of a chunk
-    float4 x = tile[row * kCols + c];
-    x.x *= decay; x.y *= decay; x.z *= decay; x.w *= decay;
-    s[j] = x;
-    const float kr = ks[row], qr = qs[row];
-    pk.x += x.x * kr; pk.y += x.y * kr; pk.z += x.z * kr; pk.w += x.w * kr;
-    pq.x += x.x * qr; pq.y += x.y * qr; pq.z += x.z * qr; pq.w += x.w * qr;
-  }
-  red[r][c][0] = pk;
-  red[r][c][1] = pq;
-  __syncthreads();
-  float4 tk = make_float4(0.f, 0.f, 0.f, 0.f), tq = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int w = 0; w < kRowGroups; ++w) {
-    const float4 a = red[w][c][0], b = red[w][c][1];
-    tk.x += a.x; tk.y += a.y; tk.z += a.z; tk.w += a.w;
-    tq.x += b.x; tq.y += b.y; tq.z += b.z; tq.w += b.w;
-  }
-  const float u[4] = {beta * (vv[0] - tk.x * sc.k), beta * (vv[1] - tk.y * sc.k), beta * (vv[2] - tk.z * sc.k),
-                      beta * (vv[3] - tk.w * sc.k)};
-  if (r == 0) {
-    out[0] = from_float<T>(tq.x * sc.q + u[0] * sc.qk);
-    out[1] = from_float<T>(tq.y * sc.q + u[1] * sc.qk);
-    out[2] = from_float<T>(tq.z * sc.q + u[2] * sc.qk);
-    out[3] = from_float<T>(tq.w * sc.q + u[3] * sc.qk);
-  }
-#pragma unroll
-  for (int j = 0; j < R; ++j) {
-    const int row = r + kRowGroups * j;
-    const float kr = ks[row] * sc.k;
-    float4 x = s[j];
-    x.x += kr * u[0];
-    x.y += kr * u[1];
-    x.z += kr * u[2];
-    x.w += kr * u[3];
-    *reinterpret_cast<float4*>(S + int64_t(row) * kSm90V + 4 * c) = x;
-  }
-}
-
 template <typename T, int K, Variant VAR>
 int launch_tiled(const GdnDecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.N * p.HV), static_cast<unsigned>(p.V / kTileV));
+  const dim3 grid(static_cast<unsigned>(p.N * p.HV * (p.V / kTileV)));
   const size_t smem = VAR == Variant::kGeneric ? 0 : size_t(K) * kTileV * sizeof(float);
   gdn_decode_tiled_kernel<T, K, VAR><<<grid, kThreads, smem, stream>>>(p);
-  return static_cast<int>(cudaGetLastError());
-}
-
-template <typename T, int K>
-int launch_sm90(const GdnDecodeParams& p, cudaStream_t stream) {
-  if (p.V != kSm90V) return launch_tiled<T, K, Variant::kSm80>(p, stream);  // full-width tiles need V == 128
-  constexpr size_t smem = size_t(K) * kSm90V * sizeof(float);
-  // The opt-in above 48 KiB is per device; racing threads all set the same value.
-  static bool configured[64] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device < 0 || device >= 64 || !configured[device]) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(gdn_decode_sm90_kernel<T, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) return static_cast<int>(err);
-    if (device >= 0 && device < 64) configured[device] = true;
-  }
-  gdn_decode_sm90_kernel<T, K><<<static_cast<unsigned>(p.N * p.HV), kSm90Threads, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -449,7 +348,7 @@ int launch_variant(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
   switch (v) {
     case Variant::kGeneric: return launch_tiled<T, K, Variant::kGeneric>(p, stream);
     case Variant::kSm80: return launch_tiled<T, K, Variant::kSm80>(p, stream);
-    case Variant::kSm90: return launch_sm90<T, K>(p, stream);
+    case Variant::kSm90: return launch_tiled<T, K, Variant::kSm90>(p, stream);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
