@@ -173,7 +173,7 @@ def main() -> int:
     variants = {}
     for name, vid in _native.VARIANTS.items():
         try:
-            torch.ops.cudelta.select_variant(0, vid)
+            torch.ops.cudelta.select_variant(0, vid, 1 << 30)
             variants[name] = vid
         except RuntimeError:
             pass

@@ -2,8 +2,9 @@
 // every torch from the floor set by TORCH_TARGET_VERSION upwards.
 //
 //   cudelta::gdn_decode      one Gated DeltaNet decode step, state pool updated in place
-//   cudelta::select_variant  the kernel variant that runs on a device (auto or forced)
-//   cudelta::probe           what the driver loaded on a device: __CUDA_ARCH__ and feature flags
+//   cudelta::select_variant  the kernel variant that runs on a device for a batch (auto or forced)
+//   cudelta::probe           what the driver loaded on a device: __CUDA_ARCH__, feature flags, and
+//                            the variant auto picks for large batches
 //   cudelta::build_info      the JSON build record embedded at compile time
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -50,7 +51,7 @@ std::string fix_command(int cc) {
          " pip install --no-cache-dir --force-reinstall cudelta";
 }
 
-Variant select(int device, int64_t requested) {
+Variant select(int device, int64_t requested, int64_t heads) {
   const int cc = device_compute_capability(device);
   STD_TORCH_CHECK(cc > 0, "cudelta: cannot read the compute capability of CUDA device ", device);
   ImageInfo info{};
@@ -58,20 +59,14 @@ Variant select(int device, int64_t requested) {
   STD_TORCH_CHECK(err == 0, "cudelta: this build has no kernel image for CUDA device ", device, " (compute ",
                   cc / 10, ".", cc % 10, "): ", cuda_error_string(err), ". Built for ", kBuildArchs,
                   ". Build for this GPU with: ", fix_command(cc));
-  if (requested < 0) {
-    // Measured on H100/H200 (benchmarks/kernel_bench.py): prefer the newest variant the image has.
-    for (int v = kNumVariants - 1; v >= 0; --v) {
-      if (variant_min_arch(static_cast<Variant>(v)) <= info.cuda_arch) return static_cast<Variant>(v);
-    }
-    return Variant::kGeneric;
-  }
+  if (requested < 0) return auto_variant(info.cuda_arch, heads);
   STD_TORCH_CHECK(requested < kNumVariants, "cudelta: kernel variant ", requested,
-                  " does not exist; accepted: generic, sm80, sm90 (CUDELTA_KERNEL_VARIANT)");
+                  " does not exist; accepted: generic, sm80, sm90, sm90tma (CUDELTA_KERNEL_VARIANT)");
   const auto v = static_cast<Variant>(requested);
   STD_TORCH_CHECK(variant_min_arch(v) <= info.cuda_arch, "cudelta: kernel variant ", variant_name(v), " needs an sm_",
                   variant_min_arch(v) / 10, "+ image, but CUDA device ", device, " (compute ", cc / 10, ".", cc % 10,
                   ") runs the sm_", info.cuda_arch / 10, " image; variants it can run: generic",
-                  info.cuda_arch >= 800 ? ", sm80" : "", info.cuda_arch >= 900 ? ", sm90" : "");
+                  info.cuda_arch >= 800 ? ", sm80" : "", info.cuda_arch >= 900 ? ", sm90, sm90tma" : "");
   return v;
 }
 
@@ -138,7 +133,7 @@ Tensor gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor st
   STD_TORCH_CHECK(idx.dim() == 1 && idx.size(0) == N && idx.is_contiguous(),
                   "cudelta.gdn_decode: idx must be a contiguous [N] = [", N, "] tensor, got ", shape_of(idx));
 
-  const Variant chosen = select(device, variant);
+  const Variant chosen = select(device, variant, N * HV);
   Tensor out = torch::stable::new_empty(v, {N, HV, V});
 
   GdnDecodeParams p{};
@@ -175,8 +170,8 @@ Tensor gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor st
   return out;
 }
 
-int64_t select_variant(int64_t device, int64_t requested) {
-  return static_cast<int64_t>(select(static_cast<int>(device), requested));
+int64_t select_variant(int64_t device, int64_t requested, int64_t heads) {
+  return static_cast<int64_t>(select(static_cast<int>(device), requested, heads));
 }
 
 std::vector<int64_t> probe(int64_t device) {
@@ -186,7 +181,7 @@ std::vector<int64_t> probe(int64_t device) {
   const int err = probe_image(static_cast<int>(device), &info);
   if (err != 0) return {cc, 0, 0, 0, -1};  // no image: the caller reports it with the built archs
   return {cc, info.cuda_arch, info.arch_specific ? 1 : 0, info.family_specific ? 1 : 0,
-          static_cast<int64_t>(select(static_cast<int>(device), -1))};
+          static_cast<int64_t>(select(static_cast<int>(device), -1, int64_t(1) << 30))};
 }
 
 std::string build_info() { return kBuildInfoJson; }
@@ -198,7 +193,7 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
   m.def(
       "gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor idx, "
       "float scale, bool use_qk_l2norm, int variant) -> Tensor");
-  m.def("select_variant(int device, int requested) -> int");
+  m.def("select_variant(int device, int requested, int heads) -> int");
   m.def("probe(int device) -> int[]");
   m.def("build_info() -> str");
 }

@@ -102,7 +102,7 @@ def gpu_report(index: int, run_smoke: bool) -> dict:
         smoke = {}
         for name, vid in _native.VARIANTS.items():
             try:
-                torch.ops.cudelta.select_variant(index, vid)
+                torch.ops.cudelta.select_variant(index, vid, 1 << 30)
             except RuntimeError as exc:
                 smoke[name] = {"ok": None, "skipped": str(exc).splitlines()[0]}
                 continue
@@ -152,7 +152,7 @@ def render(r: dict) -> str:
             img = gpu["image"]
             kind = " arch-specific" if img["arch_specific"] else (" family" if img["family_specific"] else "")
             head += (f": image sm_{img['cuda_arch'] // 10}{kind}, variant {gpu['variant_in_use']}"
-                     f" (auto: {gpu['variant_auto']})")
+                     f" (auto: {gpu['variant_auto']} from 256 request-heads, generic below)")
         elif gpu.get("error"):
             head += f": {gpu['error']}"
         lines.append(head)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-VARIANTS = {"generic": 0, "sm80": 1, "sm90": 2}
+VARIANTS = {"generic": 0, "sm80": 1, "sm90": 2, "sm90tma": 3}
 VARIANT_ENV = "CUDELTA_KERNEL_VARIANT"
 REINSTALL = "pip install --no-cache-dir --force-reinstall cudelta"
 
@@ -116,7 +116,7 @@ def _register_fake() -> None:
 
 
 def requested_variant(environ=os.environ) -> int:
-    """CUDELTA_KERNEL_VARIANT: auto (default) | generic | sm80 | sm90 -> -1 | 0 | 1 | 2."""
+    """CUDELTA_KERNEL_VARIANT: auto (default) | generic | sm80 | sm90 | sm90tma -> -1 | 0 | 1 | 2 | 3."""
     raw = environ.get(VARIANT_ENV, "").strip().lower()
     if raw in ("", "auto"):
         return -1

@@ -1,15 +1,20 @@
 // Gated DeltaNet decode step over a pool of recurrent states, updated in place.
 //
-// One block of 128 threads owns one (request n, value head hv) pair and a 32-column tile of its
-// [K, V] fp32 state. Thread t holds columns 4*(t%8)..+3 of rows t/8, t/8+16, ... so that a warp's
-// float4 accesses cover four whole 128-byte rows. The step is bandwidth bound (one read and one
-// write of the state), so the variants differ only in how the state tile reaches the SM:
+// One block of 128 threads owns one (request n, value head hv) pair and a BV-column tile of its
+// [K, V] fp32 state (BV = 32, or 16 for small batches). Thread t holds columns 4*(t%CG)..+3 of
+// rows t/CG + RG*j (CG = BV/4 column groups, RG = 128/CG row groups), so a warp's float4 accesses
+// cover whole row segments, and the tiles of one head are neighbours in launch order. The step
+// is bandwidth bound (one read and one write of the state), so the variants differ only in how
+// the state tile reaches the SM; each issues it before the q/k prologue so the two overlap:
 //
-//   generic  plain float4 loads after the q/k prologue (any arch)
-//   sm80     cp.async into shared memory, issued before the prologue so the load overlaps it;
-//            two commit groups let the first half be reduced while the second is in flight
-//   sm90     cp.async.bulk (the TMA engine) row copies completing on two mbarriers, also issued
-//            before the prologue; frees the threads from address generation entirely
+//   generic  float4 loads straight into registers (any arch)
+//   sm80     cp.async into shared memory in two commit groups, so the first half is reduced
+//            while the second is in flight
+//   sm90     register loads, launched as thread-block clusters of one head's column tiles, so
+//            they are co-scheduled on one GPC and read each DRAM page together
+//   sm90tma  clusters, and cp.async.bulk (the TMA engine) row copies completing on two
+//            mbarriers; the threads generate no addresses at all
+// Which one auto picks is decided by measurement (auto_variant in probe.cu).
 //
 // Both reductions of the step (pred = h'^T k and h'^T q) are done in one pass over the decayed
 // state h': with u = beta * (v - pred), the output of the updated state is
@@ -27,7 +32,8 @@ namespace cudelta {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kTileV = 32;  // columns per block: 8 float4 column groups
+// Columns per block. 16-column tiles (more, smaller blocks) measured 1.4-1.7x slower at B <= 8.
+constexpr int kWideTileV = 32;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
@@ -108,10 +114,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
 #endif
 }
 
+template <int CG>
 __device__ __forceinline__ float warp_sum_rows(float x) {
-  // Lanes that share a column group (lane % 8) hold different rows: fold lane bits 3 and 4.
-  x += __shfl_xor_sync(0xffffffffu, x, 8);
-  x += __shfl_xor_sync(0xffffffffu, x, 16);
+  // Lanes that share a column group (lane % CG) hold different rows: fold the lane bits above.
+#pragma unroll
+  for (int o = CG; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 
@@ -174,41 +181,52 @@ __device__ __forceinline__ int64_t load_slot(const GdnDecodeParams& p, int64_t n
 
 // generic and sm80: one block per (n, hv, 32-column tile); thread t owns column group t % 8 of
 // rows t / 8 + 16 j, so each warp's float4 accesses cover four whole 128-byte rows.
-template <typename T, int K, Variant VAR>
+template <typename T, int K, int BV, Variant VAR>
 __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDecodeParams p) {
-  constexpr int R = K / 16;  // rows per thread
+  constexpr int CG = BV / 4;           // float4 column groups
+  constexpr int RG = kThreads / CG;    // row groups
+  constexpr int R = K / RG;            // rows per thread
   constexpr int kWarps = kThreads / 32;
 #if defined(__CUDA_ARCH__)
   // The host never selects a variant above the image's arch; the helpers compile to nothing there.
   if constexpr (VAR == Variant::kSm80) {
     if (__CUDA_ARCH__ < 800) __trap();
   }
-  if constexpr (VAR == Variant::kSm90) {
+  if constexpr (VAR == Variant::kSm90Tma || VAR == Variant::kSm90) {
     if (__CUDA_ARCH__ < 900) __trap();
   }
 #endif
   __shared__ float qs[K];
   __shared__ float ks[K];
   __shared__ float red3[kWarps][3];
-  __shared__ float red[kWarps][8][8];
+  __shared__ float red[kWarps][CG][8];
   __shared__ uint64_t bars[2];
-  extern __shared__ float4 tile[];  // sm80, sm90: [K][8] float4
+  extern __shared__ float4 tile[];  // sm80, sm90: [K][CG] float4
 
   const int t = threadIdx.x;
-  const int c = t & 7;
-  const int r = t >> 3;
+  const int c = t % CG;
+  const int r = t / CG;
   const int lane = t & 31;
   const int warp = t >> 5;
 
   // Consecutive blocks take the column tiles of one head: their interleaved 128-byte row
   // segments then reach DRAM together instead of a whole grid apart.
-  const int64_t tiles = p.V / kTileV;
+  const int64_t tiles = p.V / BV;
   const int64_t nh = blockIdx.x / tiles;
-  const int64_t tile_v = blockIdx.x - nh * tiles;
+  int64_t tile_v = blockIdx.x - nh * tiles;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (VAR == Variant::kSm90 || VAR == Variant::kSm90Tma) {
+    // Launched as one cluster per head, the tile is the block's rank within its cluster.
+    uint32_t rank, size;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
+    if (size == tiles) tile_v = rank;
+  }
+#endif
   const int64_t n = nh / p.HV;
   const int64_t hv = nh - n * p.HV;
   const int64_t h = hv / (p.HV / p.H);
-  const int64_t col = tile_v * kTileV + 4 * c;
+  const int64_t col = tile_v * BV + 4 * c;
 
   const int64_t slot = load_slot(p, n);
   T* out = static_cast<T*>(p.out) + nh * p.V + col;
@@ -219,18 +237,18 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
     }
     return;
   }
-  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * p.V + tile_v * kTileV;
+  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * p.V + tile_v * BV;
 
   // The state tile goes first: its loads are in flight while q and k are reduced.
   float4 s[R] = {};
-  if constexpr (VAR == Variant::kGeneric) {
+  if constexpr (VAR == Variant::kGeneric || VAR == Variant::kSm90) {
 #pragma unroll
-    for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const float4*>(S + int64_t(r + 16 * j) * p.V + 4 * c);
+    for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const float4*>(S + int64_t(r + RG * j) * p.V + 4 * c);
   } else if constexpr (VAR == Variant::kSm80) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      const int row = r + 16 * j;
-      cp_async_16(&tile[row * 8 + c], S + int64_t(row) * p.V + 4 * c);
+      const int row = r + RG * j;
+      cp_async_16(&tile[row * CG + c], S + int64_t(row) * p.V + 4 * c);
       if (j == R / 2 - 1) cp_async_commit();
     }
     cp_async_commit();
@@ -238,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
     // sm90: warp 0 hands the TMA engine one 128-byte bulk copy per row; each half of the rows
     // completes on its own mbarrier. The other warps first touch the barriers after load_qk's
     // __syncthreads, which orders them after this initialisation.
-    constexpr uint32_t kHalfBytes = (K / 2) * kTileV * sizeof(float);
+    constexpr uint32_t kHalfBytes = (K / 2) * BV * sizeof(float);
     if (lane == 0) {
       mbar_init(&bars[0], 1);
       mbar_init(&bars[1], 1);
@@ -248,7 +266,7 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
     }
     __syncwarp();
     for (int row = lane; row < K; row += 32) {
-      bulk_g2s(&tile[row * 8], S + int64_t(row) * p.V, kTileV * sizeof(float), &bars[row < K / 2 ? 0 : 1]);
+      bulk_g2s(&tile[row * CG], S + int64_t(row) * p.V, BV * sizeof(float), &bars[row < K / 2 ? 0 : 1]);
     }
   }
 
@@ -264,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
   float pk[4] = {0.f, 0.f, 0.f, 0.f};
   float pq[4] = {0.f, 0.f, 0.f, 0.f};
   auto accumulate = [&](int j) {
-    const int row = r + 16 * j;
+    const int row = r + RG * j;
     s[j].x *= decay;
     s[j].y *= decay;
     s[j].z *= decay;
@@ -273,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
     pk[0] += s[j].x * kr; pk[1] += s[j].y * kr; pk[2] += s[j].z * kr; pk[3] += s[j].w * kr;
     pq[0] += s[j].x * qr; pq[1] += s[j].y * qr; pq[2] += s[j].z * qr; pq[3] += s[j].w * qr;
   };
-  if constexpr (VAR == Variant::kGeneric) {
+  if constexpr (VAR == Variant::kGeneric || VAR == Variant::kSm90) {
 #pragma unroll
     for (int j = 0; j < R; ++j) accumulate(j);
   } else {
@@ -281,23 +299,23 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
     if constexpr (VAR == Variant::kSm80) cp_async_wait<1>(); else mbar_wait(&bars[0], 0);
 #pragma unroll
     for (int j = 0; j < R / 2; ++j) {
-      s[j] = tile[(r + 16 * j) * 8 + c];
+      s[j] = tile[(r + RG * j) * CG + c];
       accumulate(j);
     }
     if constexpr (VAR == Variant::kSm80) cp_async_wait<0>(); else mbar_wait(&bars[1], 0);
 #pragma unroll
     for (int j = R / 2; j < R; ++j) {
-      s[j] = tile[(r + 16 * j) * 8 + c];
+      s[j] = tile[(r + RG * j) * CG + c];
       accumulate(j);
     }
   }
 
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
-    pk[m] = warp_sum_rows(pk[m]);
-    pq[m] = warp_sum_rows(pq[m]);
+    pk[m] = warp_sum_rows<CG>(pk[m]);
+    pq[m] = warp_sum_rows<CG>(pq[m]);
   }
-  if (lane < 8) {
+  if (lane < CG) {
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       red[warp][c][m] = pk[m];
@@ -324,7 +342,7 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
   }
 #pragma unroll
   for (int j = 0; j < R; ++j) {
-    const int row = r + 16 * j;
+    const int row = r + RG * j;
     const float kr = ks[row] * sc.k;
     float4 x = s[j];
     x.x += kr * u[0];
@@ -335,12 +353,31 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_tiled_kernel(const GdnDec
   }
 }
 
+template <typename T, int K, int BV, Variant VAR>
+int launch_tile(const GdnDecodeParams& p, cudaStream_t stream, bool cluster) {
+  const int64_t tiles = p.V / BV;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.N * p.HV * tiles));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = (VAR == Variant::kGeneric || VAR == Variant::kSm90) ? 0 : size_t(K) * BV * sizeof(float);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (cluster && tiles <= 8) {
+    // sm_90 thread-block clusters: the column tiles of one head run together on one GPC.
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(tiles);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, gdn_decode_tiled_kernel<T, K, BV, VAR>, p));
+}
+
 template <typename T, int K, Variant VAR>
 int launch_tiled(const GdnDecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.N * p.HV * (p.V / kTileV)));
-  const size_t smem = VAR == Variant::kGeneric ? 0 : size_t(K) * kTileV * sizeof(float);
-  gdn_decode_tiled_kernel<T, K, VAR><<<grid, kThreads, smem, stream>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  const bool cluster = VAR == Variant::kSm90 || VAR == Variant::kSm90Tma;
+  return launch_tile<T, K, kWideTileV, VAR>(p, stream, cluster);
 }
 
 template <typename T, int K>
@@ -348,6 +385,7 @@ int launch_variant(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
   switch (v) {
     case Variant::kGeneric: return launch_tiled<T, K, Variant::kGeneric>(p, stream);
     case Variant::kSm80: return launch_tiled<T, K, Variant::kSm80>(p, stream);
+    case Variant::kSm90Tma: return launch_tiled<T, K, Variant::kSm90Tma>(p, stream);
     case Variant::kSm90: return launch_tiled<T, K, Variant::kSm90>(p, stream);
   }
   return static_cast<int>(cudaErrorInvalidValue);

@@ -9,10 +9,13 @@ namespace cudelta {
 enum class Variant : int {
   kGeneric = 0,  // plain vectorised loads: any arch
   kSm80 = 1,     // cp.async state tiles overlapped with the q/k prologue: sm_80+
-  kSm90 = 2,     // cp.async.bulk (TMA engine) + mbarrier state tiles: sm_90+
+  kSm90 = 2,     // thread-block clusters: a head's column tiles co-scheduled on one GPC: sm_90+
+  kSm90Tma = 3,  // clusters + cp.async.bulk (TMA engine) row copies on mbarriers: sm_90+
 };
-constexpr int kNumVariants = 3;
+constexpr int kNumVariants = 4;
 const char* variant_name(Variant v);
+// What auto picks for an image (__CUDA_ARCH__) and a launch of `heads` (request, head) pairs.
+Variant auto_variant(int image_arch, int64_t heads);
 // Lowest __CUDA_ARCH__ of an image that contains the variant's device code.
 int variant_min_arch(Variant v);
 

@@ -41,6 +41,7 @@ const char* variant_name(Variant v) {
     case Variant::kGeneric: return "generic";
     case Variant::kSm80: return "sm80";
     case Variant::kSm90: return "sm90";
+    case Variant::kSm90Tma: return "sm90tma";
   }
   return "unknown";
 }
@@ -50,8 +51,17 @@ int variant_min_arch(Variant v) {
     case Variant::kGeneric: return 0;
     case Variant::kSm80: return 800;
     case Variant::kSm90: return 900;
+    case Variant::kSm90Tma: return 900;
   }
   return 1 << 30;
+}
+
+Variant auto_variant(int image_arch, int64_t heads) {
+  // Measured on H200 (benchmarks/kernel_bench.py, K=V=128): clusters gain ~1% from 256 heads
+  // up and lose ~0.7 us below; cp.async (sm80) and TMA row copies (sm90tma) never beat plain
+  // register loads for this streaming step, so auto never picks them.
+  if (image_arch >= 900 && heads >= 256) return Variant::kSm90;
+  return Variant::kGeneric;
 }
 
 int device_compute_capability(int device) {

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path
@@ -125,12 +126,14 @@ def ptx_listing_name(ptx: str) -> str:
     return f"sm_{m.group(1)}" + ("a" if m.group(2) == "a" else "")
 
 
-def parse_cuobjdump_list(text: str, kind: str) -> dict[str, set[str]]:
-    """`cuobjdump --list-elf` / `--list-ptx` output -> {module: {arch}}.
+def parse_cuobjdump_list(text: str, kind: str) -> list[tuple[str, str]]:
+    """`cuobjdump --list-elf` / `--list-ptx` output -> [(module, arch)] in library order.
 
-    Lines read `ELF file    3: gdn_decode.sm_100.cubin` / `PTX file    1: gdn_decode.sm_120.ptx`."""
+    Lines read `ELF file    3: gdn_decode.sm_100.cubin` / `PTX file    1: gdn_decode.sm_120.ptx`; the
+    module is the source file's stem when nvcc recorded it (-lineinfo), else `<library>.<index>`
+    (`_C.abi3.3.sm_100.cubin`), so the module names cannot be relied on to group entries."""
     label, ext = {"elf": ("ELF", "cubin"), "ptx": ("PTX", "ptx")}[kind]
-    found: dict[str, set[str]] = {}
+    found: list[tuple[str, str]] = []
     for line in text.splitlines():
         m = re.match(rf"\s*{label} file\s+\d+:\s+(?P<file>\S+)\s*$", line)
         if not m:
@@ -138,8 +141,28 @@ def parse_cuobjdump_list(text: str, kind: str) -> dict[str, set[str]]:
         parts = m.group("file").rsplit(".", 2)
         if len(parts) != 3 or parts[2] != ext or not re.fullmatch(r"sm_\d+[af]?", parts[1]):
             raise ValueError(f"unexpected cuobjdump --list-{kind} line: {line.strip()!r}")
-        found.setdefault(parts[0], set()).add(parts[1])
+        found.append((parts[0], parts[1]))
     return found
+
+
+def coverage(entries: Sequence[str], want: dict[str, str], what: str) -> tuple[list[str], int]:
+    """Does every translation unit carry every wanted image? `entries`: the arch name of each fatbin
+    entry of one kind (as listed); `want`: {listed name: build-info name}. nvcc puts one image per arch
+    in each translation unit's fatbin, so each wanted name must occur equally often (the number of
+    modules) and nothing else may occur. Returns (problems, modules)."""
+    counts = Counter(entries)
+    modules = max(counts.values(), default=0)
+    problems = []
+    for listed, name in want.items():
+        shown = name if listed == name else f"{name} (listed {listed})"
+        if counts[listed] == 0:
+            problems.append(f"no {what} for {shown}")
+        elif counts[listed] < modules:
+            problems.append(f"{what} for {shown} in {counts[listed]} of {modules} modules only")
+    extra = sorted(set(counts) - set(want))
+    if extra:
+        problems.append(f"{what}s not in build info: {', '.join(f'{a} x{counts[a]}' for a in extra)}")
+    return problems, modules
 
 
 def parse_fatbin_headers(text: str) -> list[dict]:
@@ -493,61 +516,32 @@ class WheelChecker:
         self.require_library()
         listed = parse_cuobjdump_list(self.cuobj("--list-elf"), "elf")
         want = {elf_listing_name(a): a for a in self.info["archs"]}
-        problems = []
-        if not listed:
-            problems.append("no cubin in the library")
-        for module, archs in sorted(listed.items()):
-            missing = sorted(want[n] for n in set(want) - archs)
-            extra = sorted(archs - set(want))
-            if missing:
-                problems.append(f"{module}: no cubin for {', '.join(missing)} "
-                                f"(looked for {', '.join(elf_listing_name(a) for a in missing)})")
-            if extra:
-                problems.append(f"{module}: cubins {', '.join(extra)} not in build info")
+        # Normalised both ways: a cuobjdump that lists family cubins as sm_100f still matches; the
+        # exact variant is cubin-variants' job.
+        problems, modules = coverage([elf_listing_name(arch) for _, arch in listed], want, "cubin")
         shown = ", ".join(a if elf_listing_name(a) == a else f"{a} (listed {elf_listing_name(a)})"
                           for a in self.info["archs"])
-        detail = "; ".join(problems) or f"{shown} in each of {len(listed)} modules ({', '.join(sorted(listed))})"
-        return not problems, detail, {"listed": {m: sorted(a) for m, a in listed.items()}}
+        detail = "; ".join(problems) or f"{shown} in each of {modules} modules{_module_names(listed, modules)}"
+        return not problems, detail, {"listed": [f"{m}.{a}" for m, a in listed]}
 
     def check_cubin_variants(self):
         self.require_info("archs")
         self.require_library()
         headers = [h for h in parse_fatbin_headers(self.cuobj("--dump-resource-usage")) if h["kind"] == "elf"]
-        by_module: dict[str, set[str]] = {}
-        for h in headers:
-            by_module.setdefault(Path(h.get("identifier", "?")).name, set()).add(h.get("arch", "?"))
-        want = set(self.info["archs"])
-        problems = []
-        if not headers:
-            problems.append("cuobjdump printed no fatbin elf headers")
-        for module, archs in sorted(by_module.items()):
-            if archs != want:
-                missing, extra = sorted(want - archs), sorted(archs - want)
-                problems.append(f"{module}: headers say {', '.join(sorted(archs))}"
-                                + (f"; missing {', '.join(missing)}" if missing else "")
-                                + (f"; not in build info {', '.join(extra)}" if extra else ""))
-        detail = "; ".join(problems) or (f"{', '.join(self.info['archs'])} exactly, in each of "
-                                         f"{', '.join(sorted(by_module))}")
-        return not problems, detail, {"headers": {m: sorted(a) for m, a in by_module.items()}}
+        arches = [h.get("arch", "?") for h in headers]
+        problems, modules = coverage(arches, {a: a for a in self.info["archs"]}, "cubin")
+        detail = "; ".join(problems) or f"{', '.join(self.info['archs'])} exactly, in each of {modules} modules"
+        return not problems, detail, {"headers": arches}
 
     def check_ptx(self):
         self.require_info("ptx")
         self.require_library()
         listed = parse_cuobjdump_list(self.cuobj("--list-ptx"), "ptx")
         want = {ptx_listing_name(p): p for p in self.info["ptx"]}
-        problems = []
-        if want and not listed:
-            problems.append(f"no PTX in the library; build info claims {', '.join(self.info['ptx'])}")
-        for module, archs in sorted(listed.items()):
-            missing = sorted(want[n] for n in set(want) - archs)
-            extra = sorted(archs - set(want))
-            if missing:
-                problems.append(f"{module}: no PTX for {', '.join(missing)}")
-            if extra:
-                problems.append(f"{module}: PTX {', '.join(a + '.ptx' for a in extra)} not in build info")
+        problems, modules = coverage([elf_listing_name(arch) for _, arch in listed], want, "PTX")
         shown = ", ".join(f"{p} (listed {ptx_listing_name(p)}.ptx)" for p in self.info["ptx"]) or "none"
-        detail = "; ".join(problems) or f"{shown} in each of {len(listed)} modules"
-        return not problems, detail, {"listed": {m: sorted(a) for m, a in listed.items()}}
+        detail = "; ".join(problems) or (f"{shown} in each of {modules} modules{_module_names(listed, modules)}" if want else "no PTX, none claimed")
+        return not problems, detail, {"listed": [f"{m}.{a}" for m, a in listed]}
 
     def check_fatbin_compression(self):
         self.require_library()
@@ -760,6 +754,12 @@ class WheelChecker:
                 "torch-abi-audit": dist_version("torch-abi-audit"), "python": sys.executable}
 
 
+def _module_names(listed: Sequence[tuple[str, str]], modules: int) -> str:
+    """' (gdn_decode, probe)' where cuobjdump could name the modules, else ''."""
+    names = list(dict.fromkeys(module for module, _ in listed))
+    return f" ({', '.join(names)})" if len(names) == modules else ""
+
+
 def _sort_key(version: str):
     try:
         return (0, version_tuple(version))
@@ -774,7 +774,7 @@ def check_wheel(wheel: Path, cuobjdump: Optional[str] = None) -> tuple[list[Chec
         return checker.run(), checker.tools()
 
 
-def format_table(checks: Sequence[Check], width: int = 100) -> str:
+def format_table(checks: Sequence[Check]) -> str:
     name_w = max(len(c.name) for c in checks)
     lines = [f"{'check':<{name_w}}  status  detail", f"{'-' * name_w}  ------  {'-' * 6}"]
     for c in checks:

@@ -104,6 +104,8 @@ def fresh_venv(tmp_path):
     def make(base: Venv | None = None) -> Venv:
         env = make_venv(tmp_path / "venv")
         if base is not None:
+            # ensurepip's old setuptools would shadow the base's, which torch requires (>= 77).
+            env.pip("uninstall", "-q", "-y", "setuptools", check=False)
             (env.site_packages / "_base_torch.pth").write_text(str(base.site_packages) + "\n")
         return env
 

@@ -81,13 +81,14 @@ def test_probe_reports_the_image_that_ran():
     assert cc == major * 10 + minor
     assert arch // 10 <= cc and arch > 0
     if (major, minor) == (9, 0):
-        assert arch == 900 and arch_specific == 1
+        assert arch == 900 and arch_specific == 1  # the sm_90a cubin, not PTX or sm_80
         assert chosen == _native.VARIANTS["sm90"]
+        assert torch.ops.cudelta.select_variant(0, -1, 32) == _native.VARIANTS["generic"]  # small batches
 
 
 def test_unknown_variant_is_refused_with_the_accepted_names():
     args = make(N=2, H=2, HV=2, K=128, V=128, P=4, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="accepted: generic, sm80, sm90"):
+    with pytest.raises(RuntimeError, match="accepted: generic, sm80, sm90, sm90tma"):
         run_variant(7, *args)
 
 

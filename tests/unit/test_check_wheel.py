@@ -132,7 +132,8 @@ def test_elf_listing_name_rejects_what_is_not_a_cubin(bad):
 def test_release_archs_map_onto_the_listing():
     info_archs = ["sm_80", "sm_90a", "sm_100f", "sm_120f"]
     listed = cw.parse_cuobjdump_list(LIST_ELF, "elf")
-    assert {cw.elf_listing_name(a) for a in info_archs} == listed["gdn_decode"] == listed["probe"]
+    want = {cw.elf_listing_name(a): a for a in info_archs}
+    assert cw.coverage([arch for _, arch in listed], want, "cubin") == ([], 2)
 
 
 @pytest.mark.parametrize("toolkit, label", [("13.0", "cu130"), ("12.8", "cu128"), ("13.1.2", "cu131")])
@@ -142,21 +143,43 @@ def test_cuda_label(toolkit, label):
 
 # --- cuobjdump ---------------------------------------------------------------------------------
 
-def test_parse_list_elf_groups_by_module():
-    assert cw.parse_cuobjdump_list(LIST_ELF, "elf") == {
-        "gdn_decode": {"sm_80", "sm_90a", "sm_100", "sm_120"},
-        "probe": {"sm_80", "sm_90a", "sm_100", "sm_120"},
-    }
+def test_parse_list_elf():
+    listed = cw.parse_cuobjdump_list(LIST_ELF, "elf")
+    assert listed[:4] == [("gdn_decode", "sm_80"), ("gdn_decode", "sm_90a"), ("gdn_decode", "sm_100"),
+                          ("gdn_decode", "sm_120")]
+    assert [m for m, _ in listed[4:]] == ["probe"] * 4
+
+
+def test_listing_names_are_normalised_whether_or_not_cuobjdump_keeps_the_family_suffix():
+    want = {cw.elf_listing_name(a): a for a in ["sm_90a", "sm_100f"]}
+    for listed in (["sm_90a", "sm_100"], ["sm_90a", "sm_100f"]):
+        assert cw.coverage([cw.elf_listing_name(a) for a in listed], want, "cubin") == ([], 1)
 
 
 def test_parse_list_ptx():
-    assert cw.parse_cuobjdump_list(LIST_PTX, "ptx") == {"gdn_decode": {"sm_120"}, "probe": {"sm_120"}}
+    assert cw.parse_cuobjdump_list(LIST_PTX, "ptx") == [("gdn_decode", "sm_120"), ("probe", "sm_120")]
 
 
-def test_parse_list_handles_dotted_module_names_and_ignores_other_lines():
+def test_parse_list_without_lineinfo_names_modules_after_the_library():
+    # Built without -lineinfo, nvcc records no source name: cuobjdump numbers the entries instead.
+    text = "ELF file    1: _C.abi3.1.sm_80.cubin\nELF file    2: _C.abi3.2.sm_90a.cubin\n"
+    assert cw.parse_cuobjdump_list(text, "elf") == [("_C.abi3.1", "sm_80"), ("_C.abi3.2", "sm_90a")]
+
+
+def test_parse_list_ignores_other_lines():
     text = "cuobjdump info    : File 'x.so' has no PTX\nELF file    1: my.kernels.sm_80.cubin\n"
-    assert cw.parse_cuobjdump_list(text, "elf") == {"my.kernels": {"sm_80"}}
-    assert cw.parse_cuobjdump_list("", "ptx") == {}
+    assert cw.parse_cuobjdump_list(text, "elf") == [("my.kernels", "sm_80")]
+    assert cw.parse_cuobjdump_list("", "ptx") == []
+
+
+def test_coverage_finds_missing_partial_and_unclaimed_images():
+    want = {"sm_80": "sm_80", "sm_100": "sm_100f"}
+    assert cw.coverage(["sm_80", "sm_100", "sm_80", "sm_100"], want, "cubin") == ([], 2)
+    problems, modules = cw.coverage(["sm_80", "sm_100", "sm_80"], want, "cubin")
+    assert modules == 2 and problems == ["cubin for sm_100f (listed sm_100) in 1 of 2 modules only"]
+    problems, _ = cw.coverage(["sm_80", "sm_86"], want, "cubin")
+    assert problems == ["no cubin for sm_100f (listed sm_100)", "cubins not in build info: sm_86 x1"]
+    assert cw.coverage([], want, "cubin")[0] == ["no cubin for sm_80", "no cubin for sm_100f (listed sm_100)"]
 
 
 def test_parse_list_rejects_an_unknown_name_format():
@@ -170,6 +193,13 @@ def test_parse_fatbin_headers_reads_arch_variant_and_compression():
         ("elf", "sm_90a", True), ("elf", "sm_100f", False), ("ptx", "sm_120", True)]
     assert all(e["identifier"] == "/src/kernels/gdn_decode.cu" for e in entries)
     assert entries[0]["code version"] == "[1,8]"
+
+
+def test_parse_fatbin_headers_without_identifier():
+    text = "Fatbin elf code:\n================\narch = sm_100f\ncode version = [1,8]\nhost = linux\n" \
+           "compile_size = 64bit\ncompressed\n\nResource usage:\n Common:\n  GLOBAL:0\n"
+    assert cw.parse_fatbin_headers(text) == [{"kind": "elf", "compressed": True, "arch": "sm_100f",
+                                              "code version": "[1,8]", "host": "linux", "compile_size": "64bit"}]
 
 
 def test_parse_fatbin_headers_does_not_read_resource_lines_as_fields():
