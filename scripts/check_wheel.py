@@ -389,10 +389,13 @@ class WheelChecker:
             zf.extractall(workdir)
         self.lib_path = workdir / LIBRARY
         self.name = parse_wheel_filename(wheel.name)
+        self.info_problem = f"{BUILD_INFO} is missing from the wheel"
         try:
             self.info: dict = json.loads(self.files[BUILD_INFO])
         except KeyError:
             self.info = {}
+        except ValueError as exc:
+            self.info, self.info_problem = {}, f"{BUILD_INFO} is not JSON: {exc}"
         self._cache: dict[str, str] = {}
 
     # tools, run once each
@@ -425,7 +428,7 @@ class WheelChecker:
 
     def require_info(self, *keys: str) -> None:
         if not self.info:
-            raise RuntimeError(f"{BUILD_INFO} is missing from the wheel")
+            raise RuntimeError(self.info_problem)
         missing = [k for k in keys if k not in self.info]
         if missing:
             raise RuntimeError(f"{BUILD_INFO} lacks {', '.join(missing)}")
@@ -792,7 +795,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.wheel.is_file() or not zipfile.is_zipfile(args.wheel):
         print(f"error: {args.wheel} is not a wheel file", file=sys.stderr)
         return 2
-    checks, tools = check_wheel(args.wheel, cuobjdump=args.cuobjdump)
+    try:
+        checks, tools = check_wheel(args.wheel, cuobjdump=args.cuobjdump)
+    except (ValueError, zipfile.BadZipFile) as exc:
+        print(f"error: {args.wheel}: {exc}", file=sys.stderr)
+        return 2
     failed = [c.name for c in checks if c.status == FAIL]
     print(f"wheel: {args.wheel.name}")
     print(f"tools: cuobjdump {tools['cuobjdump_version']} ({tools['cuobjdump']}), abi3audit {tools['abi3audit']}, "

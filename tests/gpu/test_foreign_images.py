@@ -30,9 +30,9 @@ v = torch.randn(2, 2, 128, device="cuda", dtype=torch.bfloat16)
 g = -torch.rand(2, 2, device="cuda"); b = torch.rand(2, 2, device="cuda")
 st = torch.randn(4, 2, 128, 128, device="cuda"); idx = torch.tensor([1, 3], device="cuda")
 ref = st.clone(); o_ref = cudelta.gdn_decode_reference(q, q, v, g, b, ref, idx)
-print("probe", list(torch.ops.cudelta.probe(0)))
-o = cudelta.gdn_decode(q, q, v, g, b, st, idx)
+o = cudelta.gdn_decode(q, q, v, g, b, st, idx)  # loads the library on first use
 torch.cuda.synchronize()
+print("probe", list(torch.ops.cudelta.probe(0)))
 print("state_err", float((st - ref).abs().max()))
 """
 
