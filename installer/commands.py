@@ -23,7 +23,7 @@ from setuptools import Extension
 from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
 from setuptools.command.sdist import sdist as _sdist
 
-from . import native
+from . import native, platform_tag
 from .errors import InstallerError, VerificationError
 from .log import say
 from .settings import Settings
@@ -197,10 +197,19 @@ class bdist_wheel(_bdist_wheel):
             self._label_release_wheel(record["variant"])
 
     def _label_release_wheel(self, variant: str) -> None:
+        """Add the +cuXYZ label, and the manylinux tag the library's glibc needs allow."""
         dist = Path(self.dist_dir)
         version = self.distribution.get_version()
+        build_lib = Path(self.get_finalized_command("build_ext").build_lib)
+        libraries = list((build_lib / "cudelta").glob("_C*.so"))
+        glibc = platform_tag.required_glibc(libraries)
+        platform = platform_tag.manylinux_tag(glibc, "x86_64") if glibc else None
+        if platform != RELEASE_PLATFORM:
+            say(f"the library needs glibc {glibc[0]}.{glibc[1]}: tagged {platform}, not {RELEASE_PLATFORM}; "
+                "build in a manylinux_2_28 image for the wider tag" if glibc else
+                "objdump not found: cannot check the glibc the library needs; keeping " + RELEASE_PLATFORM)
         for wheel in dist.glob(f"cudelta-{version}-*.whl"):
-            labelled = retag_version(wheel, with_local_label(version, variant), dist)
+            labelled = retag_version(wheel, with_local_label(version, variant), dist, platform=platform)
             wheel.unlink()
             say(f"release wheel: {labelled.name}")
 

@@ -89,7 +89,8 @@ def nvcc_flags(archs: Sequence[ArchTarget], *, compress: bool, threads: int) -> 
 
 
 def cxx_flags() -> list[str]:
-    return ["-O3", "-std=c++17", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA",
+    # -g0 undoes the -g of Python's own CFLAGS: 0.7 MB of host debug info nobody ships.
+    return ["-O3", "-g0", "-std=c++17", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA",
             "-fvisibility=hidden"]
 
 

@@ -26,15 +26,18 @@ def wheel_filename(name: str, version: str, tags: str) -> str:
     return f"{name}-{version}-{tags}.whl"
 
 
-def retag_version(src: Path, new_version: str, out_dir: Path, *, extra_dist_info: Optional[dict] = None) -> Path:
-    """Copy wheel `src` into `out_dir` with version `new_version`; returns the new path.
+def retag_version(src: Path, new_version: str, out_dir: Path, *, extra_dist_info: Optional[dict] = None,
+                  platform: Optional[str] = None) -> Path:
+    """Copy wheel `src` into `out_dir` with version `new_version` (and platform tag `platform`,
+    if given); returns the new path.
 
     `extra_dist_info` is written as dist-info/cudelta_source.json (where a prebuilt came from).
     """
     name, old_version, build, tags = parse_wheel_filename(src.name)
     Version(new_version)  # raises InvalidVersion early, before any file is written
     dist_name = canonicalize_name(name).replace("-", "_")
-    tag_text = "-".join(src.name[:-4].split("-")[-3:])
+    py_tag, abi_tag, plat_tag = src.name[:-4].split("-")[-3:]
+    tag_text = f"{py_tag}-{abi_tag}-{platform or plat_tag}"
     build_part = f"-{build[0]}{build[1]}" if build else ""
     out_path = out_dir / (f"{dist_name}-{new_version}{build_part}-{tag_text}.whl")
     old_info = f"{dist_name}-{old_version}.dist-info/"
@@ -46,7 +49,7 @@ def retag_version(src: Path, new_version: str, out_dir: Path, *, extra_dist_info
     tmp_dir = Path(tempfile.mkdtemp(prefix=".retag-", dir=out_dir))
     tmp_path = tmp_dir / out_path.name
     try:
-        _rewrite(src, tmp_path, old_info, new_info, new_version, extra_dist_info)
+        _rewrite(src, tmp_path, old_info, new_info, new_version, extra_dist_info, tag_text)
         tmp_path.replace(out_path)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -54,7 +57,7 @@ def retag_version(src: Path, new_version: str, out_dir: Path, *, extra_dist_info
 
 
 def _rewrite(src: Path, dst: Path, old_info: str, new_info: str, new_version: str,
-             extra_dist_info: Optional[dict]) -> None:
+             extra_dist_info: Optional[dict], tag_text: str) -> None:
     with WheelFile(src) as zin, WheelFile(dst, "w") as zout:
         for info in zin.infolist():
             if info.filename == old_info + "RECORD":
@@ -65,6 +68,8 @@ def _rewrite(src: Path, dst: Path, old_info: str, new_info: str, new_version: st
                 target = new_info + target[len(old_info):]
                 if target == new_info + "METADATA":
                     data = _set_metadata_version(data, new_version)
+                elif target == new_info + "WHEEL":
+                    data = re.sub(rb"(?m)^Tag: .*$", b"Tag: " + tag_text.encode(), data)
             zout.writestr(_with_name(info, target), data)
         if extra_dist_info is not None:
             zout.writestr(new_info + SOURCE_RECORD, json.dumps(extra_dist_info, indent=1, sort_keys=True))

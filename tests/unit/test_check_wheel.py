@@ -334,3 +334,12 @@ def test_wheel_level_checks_on_a_synthetic_wheel(tmp_path):
     checker.info["archs"] = ["sm_80", "sm_90a"]
     ok, detail, _ = checker.check_build_info()
     assert not ok and "release archs" in detail
+
+
+def test_glibc_limit_follows_the_claimed_manylinux_tag():
+    required = cw.parse_objdump_versions(OBJDUMP_T)
+    assert cw.platform_glibc("manylinux_2_34_x86_64") == (2, 34)
+    ok, _ = cw.symbol_version_check(required, ["GLIBC"], {"GLIBC": (2, 34)})
+    assert ok
+    ok, report = cw.symbol_version_check(required, ["GLIBC"], {"GLIBC": (2, 32)})
+    assert not ok and report["GLIBC"]["offenders"] == {"2.34": ["dlsym"]}

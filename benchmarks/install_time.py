@@ -1,0 +1,118 @@
+"""Wall time of `pip install cudelta-<v>.tar.gz` on the fetch path vs a forced local compile, and
+the time detection takes, in one run, on this machine.
+
+    python benchmarks/install_time.py [--repeat 3] [--out benchmarks/results-install-time.md]
+
+Uses the end-to-end test machinery: a base venv with torch 2.14.1+cu130 (made once, cached in
+CUDELTA_TEST_CACHE), the sdist and release assets built from this tree, the local GitHub-like
+release server. Each install goes into a fresh venv that already has torch (as a user's would);
+pip's own cache is warm after the first run, as on any machine that has installed anything.
+Targets (issue 2): fetch path <= 10 s with torch present; detection <= 0.5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]
+
+import conftest as e2e  # noqa: E402
+from release_server import ReleaseServer  # noqa: E402
+
+
+def build_inputs(base: e2e.Venv, work: Path) -> tuple[Path, Path]:
+    src = work / "src"
+    import shutil
+
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "dist", ".ci-cache", ".whl",
+                                                             ".device", "__pycache__", "*.egg-info"))
+    e2e.run([base.python, "-m", "build", "--sdist", "--no-isolation", "--outdir", work / "sdist", src])
+    e2e.run([base.python, "setup.py", "-q", "bdist_wheel", "--dist-dir", work / "wheel"], cwd=src,
+            env=e2e.clean_env(CUDELTA_RELEASE_BUILD="1"), timeout=1800)
+    e2e.run([base.python, ROOT / "scripts" / "make_release.py", "--version", e2e.VERSION, "--out", work / "release",
+             *(work / "wheel").glob("*.whl")])
+    (sdist,) = (work / "sdist").glob("*.tar.gz")
+    return sdist, work / "release"
+
+
+def timed_install(base: e2e.Venv, sdist: Path, env: dict, extra: list[str], work: Path) -> float:
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        venv = e2e.make_venv(Path(tmp) / "venv")
+        venv.pip("uninstall", "-q", "-y", "setuptools", check=False)
+        (venv.site_packages / "_base_torch.pth").write_text(str(base.site_packages) + "\n")
+        if "--no-build-isolation" in extra:
+            venv.pip("install", "-q", *e2e.BUILD_REQS)
+        started = time.perf_counter()
+        venv.pip("install", *extra, sdist, env=env)
+        return time.perf_counter() - started
+
+
+def detection_times(base: e2e.Venv, repeat: int) -> tuple[float, float]:
+    """(cold: a fresh interpreter importing the installer and detecting, in-process: detect() again)."""
+    code = ("import time; t0 = time.perf_counter()\n"
+            "from installer.detect import detect; from installer.settings import Settings\n"
+            "detect(Settings()); t1 = time.perf_counter(); detect(Settings()); t2 = time.perf_counter()\n"
+            "print(t1 - t0, t2 - t1)")
+    cold, warm = [], []
+    for _ in range(repeat):
+        out = subprocess.run([base.python, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+        a, b = map(float, out.stdout.split())
+        cold.append(a)
+        warm.append(b)
+    return statistics.median(cold), statistics.median(warm)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    base = e2e.base_venv(f"cu-py{e2e.PY}", ["torch==2.14.1", *e2e.BUILD_REQS, "build"])
+    with tempfile.TemporaryDirectory(prefix="cudelta-install-bench-") as tmp:
+        work = Path(tmp)
+        sdist, release = build_inputs(base, work)
+        with ReleaseServer(release.parent) as server:
+            server.add_release(e2e.TAG, release)
+            fetch_env = e2e.clean_env(CUDELTA_WHEEL_URL=server.base_url(e2e.TAG), CUDELTA_CACHE_DIR=str(work / "c"))
+            cases = [
+                ("fetch, pip default isolation", fetch_env, []),
+                ("fetch, --no-build-isolation", fetch_env, ["--no-build-isolation"]),
+                ("FORCE_BUILD=1, GPU arch only (9.0a)", {**fetch_env, "FORCE_BUILD": "1",
+                                                         "TORCH_CUDA_ARCH_LIST": "9.0a"}, []),
+                ("FORCE_BUILD=1, no GPU: all release archs", {**fetch_env, "FORCE_BUILD": "1"}, []),
+            ]
+            rows = []
+            timed_install(base, sdist, fetch_env, [], work)  # warm pip's cache of the build requirements
+            for name, env, extra in cases:
+                reps = args.repeat if name.startswith("fetch") else 1
+                # a fresh download cache for each fetch, so every run really downloads and verifies
+                times = [timed_install(base, sdist, {**env, "CUDELTA_CACHE_DIR": str(work / f"c{i}-{len(rows)}")},
+                                       extra, work) for i in range(reps)]
+                rows.append((name, statistics.median(times), reps))
+    cold, warm = detection_times(base, args.repeat)
+
+    lines = ["`pip install cudelta-0.1.0.tar.gz` into a fresh venv that has torch 2.14.1+cu130; "
+             f"{Path('/proc/cpuinfo').read_text().count('processor')} cores, no GPU; median of the runs", "",
+             "| case | wall time (s) | runs | target |", "|---|---|---|---|"]
+    for name, seconds, reps in rows:
+        target = "<= 10 s" if name.startswith("fetch") else ""
+        lines.append(f"| {name} | {seconds:.1f} | {reps} | {target} |")
+    lines += [f"| detection, fresh interpreter (import + detect) | {cold:.3f} | {args.repeat} | <= 0.5 s |",
+              f"| detection, in process | {warm:.3f} | {args.repeat} | |"]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
