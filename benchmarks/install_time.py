@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT / "tests"), str(ROOT)]
 
-import conftest as e2e  # noqa: E402
+import envs as e2e  # noqa: E402
 from release_server import ReleaseServer  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    base = e2e.base_venv(f"cu-py{e2e.PY}", ["torch==2.14.1", *e2e.BUILD_REQS, "build"])
+    base = e2e.base_cu()
     with tempfile.TemporaryDirectory(prefix="cudelta-install-bench-") as tmp:
         work = Path(tmp)
         sdist, release = build_inputs(base, work)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -181,7 +180,7 @@ def main() -> int:
     with_fla = not args.no_fla
     if with_fla:
         try:
-            import fla  # noqa: F401
+            import fla  # noqa: F401  (flash-linear-attention, the peer)
         except ImportError:
             with_fla = False
     rows = [bench_batch(b, variants, with_fla) for b in args.batches]

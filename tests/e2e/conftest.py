@@ -1,100 +1,37 @@
 """Fixtures for the end-to-end installs: real pip, real venvs, a local GitHub-like release server.
 
-Base environments (one with torch 2.14.1+cu130 and the build requirements, one with the
-torch 2.13.0 CPU build) are made once and kept under CUDELTA_TEST_CACHE (default
-<repo>/.ci-cache). Each test installs into a FRESH venv that sees a base's torch through a .pth
+Base environments come from tests/envs.py (made once, cached). Each test installs into a FRESH venv that sees a base's torch through a .pth
 file: to pip and to the installer that is an installed torch (pip says "Requirement already
 satisfied"), at the cost of seconds instead of a 5.5 GB copy per case.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-import venv
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-VERSION = "0.1.0"
-TAG = f"v{VERSION}"
-CACHE = Path(os.environ.get("CUDELTA_TEST_CACHE", ROOT / ".ci-cache"))
-BUILD_REQS = ["setuptools>=77", "wheel>=0.43", "packaging>=24", "requests>=2.31", "urllib3>=2",
-              "filelock>=3.12", "platformdirs>=3", "ninja"]
-PY = f"{sys.version_info.major}.{sys.version_info.minor}"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/envs.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # release_server.py
 
-# Variables of ours or pip's that must not leak from the developer's shell into a case.
-_SCRUB = ("FORCE_BUILD", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "GITHUB_TOKEN", "PIP_NO_BUILD_ISOLATION",
-          "VIRTUAL_ENV", "PYTHONPATH")
-
-
-def clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDELTA_") and k not in _SCRUB}
-    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    env.update(extra)
-    return env
-
-
-def run(cmd, *, env=None, cwd=None, check=True, timeout=900) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], env=env or clean_env(), cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-@dataclass
-class Venv:
-    path: Path
-
-    @property
-    def python(self) -> Path:
-        return self.path / "bin" / "python"
-
-    @property
-    def site_packages(self) -> Path:
-        return self.path / "lib" / f"python{PY}" / "site-packages"
-
-    def pip(self, *args, env=None, check=True, timeout=900) -> subprocess.CompletedProcess:
-        return run([self.python, "-m", "pip", *args], env=env, check=check, timeout=timeout)
-
-    def py(self, code: str, env=None, check=True) -> subprocess.CompletedProcess:
-        return run([self.python, "-c", code], env=env, check=check, cwd="/")
-
-    def has(self, dist: str) -> bool:
-        return self.pip("show", dist, check=False).returncode == 0
-
-
-def make_venv(path: Path) -> Venv:
-    venv.EnvBuilder(with_pip=True, clear=True).create(path)
-    return Venv(path)
-
-
-def base_venv(name: str, packages: list[str]) -> Venv:
-    """A reusable environment, rebuilt only when its package list changes."""
-    path = CACHE / "venvs" / name
-    stamp = path / ".packages"
-    wanted = "\n".join(packages)
-    if stamp.is_file() and stamp.read_text() == wanted and (path / "bin" / "python").exists():
-        return Venv(path)
-    env = make_venv(path)
-    env.pip("install", "-q", *packages, timeout=1800)
-    stamp.write_text(wanted)
-    return env
+import envs  # noqa: E402
+from envs import (  # noqa: E402,F401  (re-exported for the tests)
+    BUILD_REQS, ROOT, TAG, VERSION, Venv, clean_env, make_venv, run,
+)
 
 
 @pytest.fixture(scope="session")
 def base_cu() -> Venv:
-    return base_venv(f"cu-py{PY}", ["torch==2.14.1", *BUILD_REQS, "build"])
+    return envs.base_cu()
 
 
 @pytest.fixture(scope="session")
 def base_cpu() -> Venv:
-    return base_venv(f"cpu-py{PY}", ["torch==2.13.0"])
+    return envs.base_cpu()
 
 
 @pytest.fixture
@@ -201,4 +138,3 @@ def pip_output(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # release_server.py beside this file

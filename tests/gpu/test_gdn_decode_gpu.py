@@ -125,6 +125,7 @@ def test_cuda_graph_replay_updates_state():
         out = run_variant(-1, *args)
     for _ in range(3):
         graph.replay()
-        gdn_decode_reference(q, k, v, g, beta, ref_state, idx, use_qk_l2norm=True)
+        ref_out = gdn_decode_reference(q, k, v, g, beta, ref_state, idx, use_qk_l2norm=True)
     torch.cuda.synchronize()
     assert ((state - ref_state).abs().max() / ref_state.abs().max()).item() <= 1e-4
+    assert ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item() <= 1e-2
