@@ -34,6 +34,7 @@ from urllib3.exceptions import (
     NewConnectionError,
     ProtocolError,
     ReadTimeoutError,
+    ResponseError,
 )
 from urllib3.util.retry import Retry
 
@@ -59,8 +60,8 @@ class CappedRetry(Retry):
 
     GitHub answers a (secondary) rate limit with 403 + Retry-After, so 403 is retried, but only
     when that header is there: a plain 403 is a permission problem that retrying cannot fix.
-    A Retry-After is honoured up to `max_retry_after` seconds, so a limit that resets in an hour
-    makes the install fail (and fall back) in bounded time instead of hanging pip.
+    A Retry-After up to `max_retry_after` seconds is waited for; a longer one ends the retries at
+    once, so a limit that resets in an hour makes the install fall back in seconds, not hang pip.
     """
 
     RETRY_AFTER_STATUS_CODES = Retry.RETRY_AFTER_STATUS_CODES | frozenset({403})
@@ -73,6 +74,20 @@ class CappedRetry(Retry):
         # urllib3 copies the policy on every attempt through new(); keep our field across it.
         kw.setdefault("max_retry_after", self.max_retry_after)
         return super().new(**kw)
+
+    def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        # A limit that resets later than the cap is not waited for at all: the caller gets this
+        # response now and falls back (or says GITHUB_TOKEN) instead of sleeping through retries.
+        header = response.headers.get("Retry-After") if response is not None else None
+        if header is not None:
+            try:
+                wait = super().parse_retry_after(header)
+            except InvalidHeader:
+                wait = 0.0
+            if wait > self.max_retry_after:
+                raise MaxRetryError(_pool, url, ResponseError(
+                    f"Retry-After {wait:.0f} s is longer than the {self.max_retry_after:.0f} s we wait"))
+        return super().increment(method, url, response, error, _pool, _stacktrace)
 
     def parse_retry_after(self, retry_after: str) -> float:
         try:

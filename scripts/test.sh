@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CUDELTA_TEST_CACHE="${CUDELTA_TEST_CACHE:-$PWD/.ci-cache}"
 runner="$CUDELTA_TEST_CACHE/venvs/runner"
-reqs="pytest>=8 responses>=0.25 requests packaging urllib3 filelock platformdirs wheel setuptools torch==2.13.0 nvidia-cuda-cuobjdump abi3audit torch-abi-audit"
+reqs="pytest>=8 responses>=0.25 requests packaging urllib3 filelock platformdirs wheel setuptools torch==2.13.0 nvidia-cuda-cuobjdump abi3audit torch-abi-audit uv"
 if [ ! -x "$runner/bin/python" ] || [ "$(cat "$runner/.reqs" 2>/dev/null)" != "$reqs" ]; then
     python3 -m venv --clear "$runner"
     # shellcheck disable=SC2086

@@ -5,10 +5,13 @@ by the release build, served by a local server that answers like GitHub Releases
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 import zipfile
+from pathlib import Path
 
 import pytest
-from conftest import TAG, VERSION, clean_env, pip_output
+from conftest import TAG, VERSION, clean_env, pip_output, run
 
 pytestmark = pytest.mark.e2e
 
@@ -182,3 +185,32 @@ def test_release_asset_is_a_real_release_build(release_dir):
     assert "cudelta/_C.abi3.so" in names
     assert f"Version: {VERSION}+cu130" in metadata
     assert info["build"] == "release" and info["archs"] == ["sm_80", "sm_90a", "sm_100f", "sm_120f"]
+
+
+def uv_install(env, sdist, environ):
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    if uv is None:
+        pytest.fail("uv is not installed next to the test interpreter (scripts/test.sh installs it)")
+    # --no-deps: uv does not see the base's torch through the .pth and would fetch a 3 GB torch.
+    return run([uv, "pip", "install", "--python", env.python, "--no-deps", "--no-cache", "-v", sdist],
+               env=environ, check=False)
+
+
+def test_uv_builds_where_torch_is_invisible_and_says_what_it_used(base_cu, fresh_venv, sdist, server, tmp_path):
+    env = fresh_venv(base_cu)
+    proc = uv_install(env, sdist, install_env(server, tmp_path / "cache"))
+    out = pip_output(proc)
+    assert "torch is not visible to this build" in out
+    assert "CUDELTA_TARGET_PYTHON" in out and "CUDELTA_CUDA_VERSION" in out
+    assert proc.returncode != 0 and "Traceback" not in out.split("cudelta: error:")[-1]
+    assert not env.has("cudelta")
+
+
+def test_uv_with_the_cuda_flavour_named_installs_the_prebuilt_wheel(base_cu, fresh_venv, sdist, server, release_dir,
+                                                                    tmp_path):
+    env = fresh_venv(base_cu)
+    proc = uv_install(env, sdist, install_env(server, tmp_path / "cache", CUDELTA_CUDA_VERSION="13.0"))
+    out = pip_output(proc)
+    assert proc.returncode == 0, out
+    assert f"installing prebuilt {asset_name(release_dir)} (sha256 verified)" in out
+    assert installed_record(env)["build"]["variant"] == "cu130"

@@ -8,6 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
+from urllib3.exceptions import MaxRetryError
 import requests
 import responses
 from urllib3.response import HTTPResponse
@@ -393,8 +394,14 @@ def test_retry_policy_shape(tmp_path):
     assert not retry.is_retry("POST", 500)
     assert not retry.raise_on_status and retry.respect_retry_after_header
     # urllib3 copies the policy on each attempt; the cap must survive the copy.
-    later = retry.increment("GET", "/x", response=_response_with({"Retry-After": "3600"}))
+    later = retry.increment("GET", "/x", response=_response_with({"Retry-After": "30"}))
     assert isinstance(later, fetch.CappedRetry) and later.max_retry_after == 60.0
+
+
+def test_a_retry_after_beyond_the_cap_ends_the_retries_at_once(tmp_path):
+    retry = make_fetcher(tmp_path).retry
+    with pytest.raises(MaxRetryError, match="Retry-After 3600 s is longer than the 60 s"):
+        retry.increment("GET", "/x", response=_response_with({"Retry-After": "3600"}))
 
 
 # -- a real HTTP server: urllib3's own retry and Content-Length paths -----------------------------
@@ -460,6 +467,14 @@ def test_real_server_403_retry_after_then_200(tmp_path, server):
     server.routes[f"/v0.1.0/{NAME}"] = [_reply(403, headers={"Retry-After": "0"}), _reply(200, BODY)]
     path = make_fetcher(tmp_path, session=local_session()).fetch_asset(server.base, NAME, SHA, len(BODY))
     assert path.read_bytes() == BODY and server.hits[f"/v0.1.0/{NAME}"] == 2
+
+
+def test_real_server_rate_limit_for_an_hour_fails_fast(tmp_path, server):
+    server.routes[f"/v0.1.0/{NAME}"] = [_reply(429, headers={"Retry-After": "3600"})] * 3
+    started = time.monotonic()
+    with pytest.raises(FetchError, match="429"):
+        make_fetcher(tmp_path, session=local_session()).fetch_asset(server.base, NAME, SHA, len(BODY))
+    assert server.hits[f"/v0.1.0/{NAME}"] == 1 and time.monotonic() - started < 5
 
 
 def test_real_server_truncated_body(tmp_path, server):
