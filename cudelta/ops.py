@@ -47,6 +47,7 @@ def gdn_decode(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not q.is_cuda:
+        _native.notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)")
         return gdn_decode_reference(q, k, v, g, beta, state, idx, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                     layout=layout)
     st = _native.status()

@@ -48,3 +48,21 @@ def test_source_tree_has_no_library_and_cpu_tensors_use_the_reference():
     out = cudelta.gdn_decode(q, q, torch.randn(1, 1, 64), torch.zeros(1, 1), torch.ones(1, 1), state,
                              torch.tensor([1]))
     assert out.shape == (1, 1, 64) and state[1].abs().sum() > 0 and state[0].abs().sum() == 0
+
+
+def test_the_reference_notice_comes_once():
+    import warnings
+
+    import torch
+
+    import cudelta
+
+    _native._noticed.discard("cpu")
+    args = (torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.zeros(1, 1),
+            torch.ones(1, 1), torch.zeros(2, 1, 64, 64), torch.tensor([0]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cudelta.gdn_decode(*args)
+        cudelta.gdn_decode(*args)
+    notices = [w for w in caught if "PyTorch reference" in str(w.message)]
+    assert len(notices) == 1
