@@ -189,7 +189,7 @@ class bdist_wheel(_bdist_wheel):
         self.distribution.command_obj.pop("build_ext", None)
         names = ", ".join(record["archs"] + record["ptx"])
         say(f"compiling for {names} ({why}) with {jobs} job(s), nvcc {toolkit}, torch {cpp.torch.__version__}; "
-            f"roughly 10 s per arch on 2 cores")
+            f"about 10 s per arch on 2 cores")
         started = time.monotonic()
         super().run()
         say(f"compiled in {time.monotonic() - started:.0f} s")
