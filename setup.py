@@ -12,6 +12,6 @@ from setuptools import setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from installer.commands import cmdclass  # noqa: E402  (installer/ ships in the sdist only)
+from installer.commands import build_requirements, cmdclass  # noqa: E402  (installer/ ships in the sdist only)
 
-setup(cmdclass=cmdclass())
+setup(cmdclass=cmdclass(), setup_requires=build_requirements())

@@ -42,9 +42,11 @@ def build_inputs(base: e2e.Venv, work: Path) -> tuple[Path, Path]:
     return sdist, work / "release"
 
 
-def timed_install(base: e2e.Venv, sdist: Path, env: dict, extra: list[str], work: Path) -> float:
+def timed_install(base: e2e.Venv, sdist: Path, env: dict, extra: list[str], work: Path, pip: str) -> float:
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         venv = e2e.make_venv(Path(tmp) / "venv")
+        if pip != "bundled":
+            venv.pip("install", "-q", "-U", pip)
         venv.pip("uninstall", "-q", "-y", "setuptools", check=False)
         (venv.site_packages / "_base_torch.pth").write_text(str(base.site_packages) + "\n")
         if "--no-build-isolation" in extra:
@@ -52,6 +54,16 @@ def timed_install(base: e2e.Venv, sdist: Path, env: dict, extra: list[str], work
         started = time.perf_counter()
         venv.pip("install", *extra, sdist, env=env)
         return time.perf_counter() - started
+
+
+def pip_version(spec: str) -> str:
+    if spec == "bundled":
+        import ensurepip
+
+        return ensurepip.version() + " (ensurepip)"
+    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "pip"], capture_output=True, text=True)
+    latest = out.stdout.split("(", 1)[1].split(")", 1)[0] if "(" in out.stdout else "latest"
+    return latest
 
 
 def detection_times(base: e2e.Venv, repeat: int) -> tuple[float, float]:
@@ -82,31 +94,33 @@ def main() -> int:
         with ReleaseServer(release.parent) as server:
             server.add_release(e2e.TAG, release)
             fetch_env = e2e.clean_env(CUDELTA_WHEEL_URL=server.base_url(e2e.TAG), CUDELTA_CACHE_DIR=str(work / "c"))
+            # pip 23.2.1 is what Python 3.11's ensurepip puts in a new venv; "pip" is today's release.
             cases = [
-                ("fetch, pip default isolation", fetch_env, []),
-                ("fetch, --no-build-isolation", fetch_env, ["--no-build-isolation"]),
+                ("fetch, pip default isolation", fetch_env, [], "bundled"),
+                ("fetch, pip default isolation", fetch_env, [], "pip"),
+                ("fetch, --no-build-isolation", fetch_env, ["--no-build-isolation"], "bundled"),
                 ("FORCE_BUILD=1, GPU arch only (9.0a)", {**fetch_env, "FORCE_BUILD": "1",
-                                                         "TORCH_CUDA_ARCH_LIST": "9.0a"}, []),
-                ("FORCE_BUILD=1, no GPU: all release archs", {**fetch_env, "FORCE_BUILD": "1"}, []),
+                                                         "TORCH_CUDA_ARCH_LIST": "9.0a"}, [], "pip"),
+                ("FORCE_BUILD=1, no GPU: all release archs", {**fetch_env, "FORCE_BUILD": "1"}, [], "pip"),
             ]
             rows = []
-            timed_install(base, sdist, fetch_env, [], work)  # warm pip's cache of the build requirements
-            for name, env, extra in cases:
+            timed_install(base, sdist, fetch_env, [], work, "pip")  # warm pip's caches
+            for name, env, extra, pip in cases:
                 reps = args.repeat if name.startswith("fetch") else 1
                 # a fresh download cache for each fetch, so every run really downloads and verifies
                 times = [timed_install(base, sdist, {**env, "CUDELTA_CACHE_DIR": str(work / f"c{i}-{len(rows)}")},
-                                       extra, work) for i in range(reps)]
-                rows.append((name, statistics.median(times), reps))
+                                       extra, work, pip) for i in range(reps)]
+                rows.append((name, pip_version(pip), statistics.median(times), reps))
     cold, warm = detection_times(base, args.repeat)
 
     lines = ["`pip install cudelta-0.1.0.tar.gz` into a fresh venv that has torch 2.14.1+cu130; "
              f"{Path('/proc/cpuinfo').read_text().count('processor')} cores, no GPU; median of the runs", "",
-             "| case | wall time (s) | runs | target |", "|---|---|---|---|"]
-    for name, seconds, reps in rows:
+             "| case | pip | wall time (s) | runs | target |", "|---|---|---|---|---|"]
+    for name, pip, seconds, reps in rows:
         target = "<= 10 s" if name.startswith("fetch") else ""
-        lines.append(f"| {name} | {seconds:.1f} | {reps} | {target} |")
-    lines += [f"| detection, fresh interpreter (import + detect) | {cold:.3f} | {args.repeat} | <= 0.5 s |",
-              f"| detection, in process | {warm:.3f} | {args.repeat} | |"]
+        lines.append(f"| {name} | {pip} | {seconds:.1f} | {reps} | {target} |")
+    lines += [f"| detection, fresh interpreter (import + detect) | - | {cold:.3f} | {args.repeat} | <= 0.5 s |",
+              f"| detection, in process | - | {warm:.3f} | {args.repeat} | |"]
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -292,5 +292,17 @@ class sdist(_sdist):
         stamp.write_text(native.git_revision() + "\n")
 
 
+def build_requirements() -> list[str]:
+    """Extra build requirements (pip asks before building): ninja when a compile is planned up front.
+
+    A bad setting is not reported here but by bdist_wheel, which says it without a traceback.
+    """
+    try:
+        settings = Settings.from_env()
+    except InstallerError:
+        return []
+    return ["ninja"] if settings.force_build else []
+
+
 def cmdclass() -> dict:
     return {"bdist_wheel": bdist_wheel, "sdist": sdist}
