@@ -152,7 +152,7 @@ def render(r: dict) -> str:
             img = gpu["image"]
             kind = " arch-specific" if img["arch_specific"] else (" family" if img["family_specific"] else "")
             head += (f": image sm_{img['cuda_arch'] // 10}{kind}, variant {gpu['variant_in_use']}"
-                     f" (auto: {gpu['variant_auto']} from 256 request-heads, generic below)")
+                     f" (auto: {gpu['variant_auto']})")
         elif gpu.get("error"):
             head += f": {gpu['error']}"
         lines.append(head)

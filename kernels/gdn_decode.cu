@@ -14,7 +14,7 @@
 //            they are co-scheduled on one GPC and read each DRAM page together
 //   sm90tma  clusters, and cp.async.bulk (the TMA engine) row copies completing on two
 //            mbarriers; the threads generate no addresses at all
-// Which one auto picks is decided by measurement (auto_variant in probe.cu).
+// Which one auto picks is decided by measurement (auto_variant in probe.cu): on H200, generic.
 //
 // Both reductions of the step (pred = h'^T k and h'^T q) are done in one pass over the decayed
 // state h': with u = beta * (v - pred), the output of the updated state is

@@ -82,8 +82,9 @@ def test_probe_reports_the_image_that_ran():
     assert arch // 10 <= cc and arch > 0
     if (major, minor) == (9, 0):
         assert arch == 900 and arch_specific == 1  # the sm_90a cubin, not PTX or sm_80
-        assert chosen == _native.VARIANTS["sm90"]
-        assert torch.ops.cudelta.select_variant(0, -1, 32) == _native.VARIANTS["generic"]  # small batches
+        # auto follows the measurements (kernels/probe.cu): register loads win on H200
+        assert chosen == _native.VARIANTS["generic"]
+        assert torch.ops.cudelta.select_variant(0, _native.VARIANTS["sm90"], 32) == _native.VARIANTS["sm90"]
 
 
 def test_unknown_variant_is_refused_with_the_accepted_names():
