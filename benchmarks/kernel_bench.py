@@ -1,7 +1,7 @@
 """Decode-step bandwidth of every cudelta variant, beside a device copy and peers, in one run.
 
 Shape: Qwen3-Next / Kimi-Linear style GDN decode (H=16, HV=32, K=V=128), bf16 inputs, fp32 state
-pool updated in place. Each call touches a different set of slots (the pool is far larger than
+pool updated in place; the `kda` column is the same step with a per-channel decay (auto variant). Each call touches a different set of slots (the pool is far larger than
 L2), as in serving; calls are timed as CUDA-graph replays (what engines do) and eagerly.
 
     python benchmarks/kernel_bench.py [--batches 1 8 32 256 1024] [--out DIR]
@@ -96,6 +96,12 @@ def bench_batch(batch: int, variants: dict, with_fla: bool) -> dict:
         us = graph_time_us(fn, sets)
         row[name] = {"us": us, "GBps": moved / us / 1e3, "eager_us": eager_time_us(fn, sets)}
 
+    # KDA: the same step with a per-channel decay, auto variant.
+    gk = -torch.rand(batch, HV, K, device=dev, generator=gen)
+    fn = lambda i: torch.ops.cudelta.kda_decode(q, k, v, gk, beta, pool, idx[i], scale, True, -1)
+    us = graph_time_us(fn, sets)
+    row["kda"] = {"us": us, "GBps": moved / us / 1e3, "eager_us": eager_time_us(fn, sets)}
+
     if with_fla:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
@@ -144,7 +150,7 @@ def render(rows: list[dict], names: list[str], device: str) -> str:
             best_copy = max(r["copy"]["GBps"], r["inplace"]["GBps"])
             cells += [f"{r[n]['us']:.1f}", f"{r[n]['GBps']:.0f}", f"{100 * r[n]['GBps'] / best_copy:.0f}%"]
         if "fla" in names:
-            best = min(r[n]["us"] for n in names if n != "fla")
+            best = min(r[n]["us"] for n in names if n not in ("fla", "kda"))
             cells.append(f"{r['fla']['us'] / best:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Eager (one Python call each, no graph), µs per call:", ""]
@@ -184,7 +190,7 @@ def main() -> int:
         except ImportError:
             with_fla = False
     rows = [bench_batch(b, variants, with_fla) for b in args.batches]
-    names = list(variants) + (["fla"] if with_fla else [])
+    names = list(variants) + ["kda"] + (["fla"] if with_fla else [])
     device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     table = render(rows, names, device)
     print(table)

@@ -2,6 +2,7 @@
 // every torch from the floor set by TORCH_TARGET_VERSION upwards.
 //
 //   cudelta::gdn_decode      one Gated DeltaNet decode step, state pool updated in place
+//   cudelta::kda_decode      the same with Kimi Delta Attention's per-channel decay
 //   cudelta::select_variant  the kernel variant that runs on a device for a batch (auto or forced)
 //   cudelta::probe           what the driver loaded on a device: __CUDA_ARCH__, feature flags, and
 //                            the variant auto picks for large batches
@@ -70,68 +71,77 @@ Variant select(int device, int64_t requested, int64_t heads) {
   return v;
 }
 
-void check_cuda(const Tensor& t, const char* name, int device) {
-  STD_TORCH_CHECK(t.is_cuda(), "cudelta.gdn_decode: ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.get_device_index() == device, "cudelta.gdn_decode: ", name, " is on cuda:", t.get_device_index(),
+void check_cuda(const char* op, const Tensor& t, const char* name, int device) {
+  STD_TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
+  STD_TORCH_CHECK(t.get_device_index() == device, op, ": ", name, " is on cuda:", t.get_device_index(),
                   " but q is on cuda:", device, "; all tensors must be on one device");
 }
 
-DType to_dtype(ScalarType t) {
+DType to_dtype(const char* op, ScalarType t) {
   switch (t) {
     case ScalarType::Float: return DType::kFloat32;
     case ScalarType::Half: return DType::kFloat16;
     case ScalarType::BFloat16: return DType::kBFloat16;
     default:
-      STD_TORCH_CHECK(false, "cudelta.gdn_decode: q has dtype ", dtype_name(t),
+      STD_TORCH_CHECK(false, op, ": q has dtype ", dtype_name(t),
                       "; accepted: bfloat16, float16, float32");
   }
   return DType::kFloat32;
 }
 
-Tensor gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor idx, double scale,
-                  bool use_qk_l2norm, int64_t variant) {
-  STD_TORCH_CHECK(q.is_cuda(), "cudelta.gdn_decode: q must be a CUDA tensor");
+Tensor decode(const char* op, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor idx,
+              double scale, bool use_qk_l2norm, int64_t variant, bool per_channel) {
+  STD_TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor");
   const int device = q.get_device_index();
   for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {v, "v"}, {g, "g"}, {beta, "beta"},
                          {state, "state"}, {idx, "idx"}}) {
-    check_cuda(t, name, device);
+    check_cuda(op, t, name, device);
   }
-  STD_TORCH_CHECK(q.dim() == 3, "cudelta.gdn_decode: q must be [N, H, K], got shape ", shape_of(q));
+  STD_TORCH_CHECK(q.dim() == 3, op, ": q must be [N, H, K], got shape ", shape_of(q));
   const int64_t N = q.size(0), H = q.size(1), K = q.size(2);
   STD_TORCH_CHECK(k.dim() == 3 && k.size(0) == N && k.size(1) == H && k.size(2) == K,
-                  "cudelta.gdn_decode: k must have q's shape ", shape_of(q), ", got ", shape_of(k));
-  STD_TORCH_CHECK(v.dim() == 3 && v.size(0) == N, "cudelta.gdn_decode: v must be [N, HV, V] with N=", N, ", got ",
+                  op, ": k must have q's shape ", shape_of(q), ", got ", shape_of(k));
+  STD_TORCH_CHECK(v.dim() == 3 && v.size(0) == N, op, ": v must be [N, HV, V] with N=", N, ", got ",
                   shape_of(v));
   const int64_t HV = v.size(1), V = v.size(2);
-  STD_TORCH_CHECK(H > 0 && HV % H == 0, "cudelta.gdn_decode: v's head count HV=", HV,
+  STD_TORCH_CHECK(H > 0 && HV % H == 0, op, ": v's head count HV=", HV,
                   " must be a multiple of q's head count H=", H);
-  const DType dt = to_dtype(q.scalar_type());
+  const DType dt = to_dtype(op, q.scalar_type());
   STD_TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                  "cudelta.gdn_decode: q, k, v must share one dtype; got q ", dtype_name(q.scalar_type()), ", k ",
+                  op, ": q, k, v must share one dtype; got q ", dtype_name(q.scalar_type()), ", k ",
                   dtype_name(k.scalar_type()), ", v ", dtype_name(v.scalar_type()));
   STD_TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
-                  "cudelta.gdn_decode: the last dim of q, k and v must be contiguous");
-  STD_TORCH_CHECK(K == 64 || K == 128, "cudelta.gdn_decode: head dim K=", K,
+                  op, ": the last dim of q, k and v must be contiguous");
+  STD_TORCH_CHECK(K == 64 || K == 128, op, ": head dim K=", K,
                   " is not supported by the CUDA kernel; accepted: 64, 128");
-  STD_TORCH_CHECK(V % 32 == 0 && V > 0, "cudelta.gdn_decode: value dim V=", V, " must be a multiple of 32");
+  STD_TORCH_CHECK(V % 32 == 0 && V > 0, op, ": value dim V=", V, " must be a multiple of 32");
   for (auto [t, name] : {std::pair<const Tensor&, const char*>{g, "g"}, {beta, "beta"}}) {
-    STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float, "cudelta.gdn_decode: ", name, " must be float32, got ",
+    STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float, op, ": ", name, " must be float32, got ",
                     dtype_name(t.scalar_type()));
-    STD_TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == HV && t.is_contiguous(), "cudelta.gdn_decode: ",
-                    name, " must be a contiguous [N, HV] = [", N, ", ", HV, "] tensor, got ", shape_of(t));
   }
-  STD_TORCH_CHECK(state.scalar_type() == ScalarType::Float, "cudelta.gdn_decode: state must be float32, got ",
+  STD_TORCH_CHECK(beta.dim() == 2 && beta.size(0) == N && beta.size(1) == HV && beta.is_contiguous(), op,
+                  ": beta must be a contiguous [N, HV] = [", N, ", ", HV, "] tensor, got ", shape_of(beta));
+  if (per_channel) {
+    STD_TORCH_CHECK(g.dim() == 3 && g.size(0) == N && g.size(1) == HV && g.size(2) == K && g.is_contiguous(), op,
+                    ": g must be a contiguous per-channel [N, HV, K] = [", N, ", ", HV, ", ", K,
+                    "] tensor, got ", shape_of(g));
+  } else {
+    STD_TORCH_CHECK(g.dim() == 2 && g.size(0) == N && g.size(1) == HV && g.is_contiguous(), op,
+                    ": g must be a contiguous [N, HV] = [", N, ", ", HV, "] tensor, got ", shape_of(g),
+                    " (per-channel gates are kda_decode)");
+  }
+  STD_TORCH_CHECK(state.scalar_type() == ScalarType::Float, op, ": state must be float32, got ",
                   dtype_name(state.scalar_type()));
   STD_TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == K && state.size(3) == V,
-                  "cudelta.gdn_decode: state must be [P, HV, K, V] = [P, ", HV, ", ", K, ", ", V, "], got ",
+                  op, ": state must be [P, HV, K, V] = [P, ", HV, ", ", K, ", ", V, "], got ",
                   shape_of(state));
-  STD_TORCH_CHECK(state.is_contiguous(), "cudelta.gdn_decode: state must be contiguous");
+  STD_TORCH_CHECK(state.is_contiguous(), op, ": state must be contiguous");
   STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(state.data_ptr()) % 16 == 0,
-                  "cudelta.gdn_decode: state must be 16-byte aligned (a view starting mid-row is not)");
+                  op, ": state must be 16-byte aligned (a view starting mid-row is not)");
   STD_TORCH_CHECK(idx.scalar_type() == ScalarType::Int || idx.scalar_type() == ScalarType::Long,
-                  "cudelta.gdn_decode: idx must be int32 or int64, got ", dtype_name(idx.scalar_type()));
+                  op, ": idx must be int32 or int64, got ", dtype_name(idx.scalar_type()));
   STD_TORCH_CHECK(idx.dim() == 1 && idx.size(0) == N && idx.is_contiguous(),
-                  "cudelta.gdn_decode: idx must be a contiguous [N] = [", N, "] tensor, got ", shape_of(idx));
+                  op, ": idx must be a contiguous [N] = [", N, "] tensor, got ", shape_of(idx));
 
   const Variant chosen = select(device, variant, N * HV);
   Tensor out = torch::stable::new_empty(v, {N, HV, V});
@@ -148,6 +158,7 @@ Tensor gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor st
   p.v_stride_h = v.stride(1);
   p.dtype = dt;
   p.g = static_cast<const float*>(g.data_ptr());
+  p.g_per_channel = per_channel;
   p.beta = static_cast<const float*>(beta.data_ptr());
   p.state = static_cast<float*>(state.data_ptr());
   p.idx = idx.data_ptr();
@@ -166,8 +177,18 @@ Tensor gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor st
   void* stream = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
   const int err = launch_gdn_decode(p, chosen, stream);
-  STD_TORCH_CHECK(err == 0, "cudelta.gdn_decode: kernel launch failed: ", cuda_error_string(err));
+  STD_TORCH_CHECK(err == 0, op, ": kernel launch failed: ", cuda_error_string(err));
   return out;
+}
+
+Tensor gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor idx, double scale,
+                  bool use_qk_l2norm, int64_t variant) {
+  return decode("cudelta.gdn_decode", q, k, v, g, beta, state, idx, scale, use_qk_l2norm, variant, false);
+}
+
+Tensor kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor idx, double scale,
+                  bool use_qk_l2norm, int64_t variant) {
+  return decode("cudelta.kda_decode", q, k, v, g, beta, state, idx, scale, use_qk_l2norm, variant, true);
 }
 
 int64_t select_variant(int64_t device, int64_t requested, int64_t heads) {
@@ -193,12 +214,18 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
   m.def(
       "gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor idx, "
       "float scale, bool use_qk_l2norm, int variant) -> Tensor");
+  m.def(
+      "kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor idx, "
+      "float scale, bool use_qk_l2norm, int variant) -> Tensor");
   m.def("select_variant(int device, int requested, int heads) -> int");
   m.def("probe(int device) -> int[]");
   m.def("build_info() -> str");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(cudelta, CUDA, m) { m.impl("gdn_decode", TORCH_BOX(&cudelta::gdn_decode)); }
+STABLE_TORCH_LIBRARY_IMPL(cudelta, CUDA, m) {
+  m.impl("gdn_decode", TORCH_BOX(&cudelta::gdn_decode));
+  m.impl("kda_decode", TORCH_BOX(&cudelta::kda_decode));
+}
 
 STABLE_TORCH_LIBRARY_IMPL(cudelta, CompositeExplicitAutograd, m) {
   m.impl("select_variant", TORCH_BOX(&cudelta::select_variant));

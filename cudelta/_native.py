@@ -110,9 +110,10 @@ def _load() -> NativeStatus:
 
 def _register_fake() -> None:
     # Shapes only, so the op traces under torch.compile / FakeTensor without running the kernel.
-    @torch.library.register_fake("cudelta::gdn_decode")
-    def _(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, variant):
-        return v.new_empty(v.shape[0], v.shape[1], v.shape[2])
+    for op in ("cudelta::gdn_decode", "cudelta::kda_decode"):
+        @torch.library.register_fake(op)
+        def _(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, variant):
+            return v.new_empty(v.shape[0], v.shape[1], v.shape[2])
 
 
 def requested_variant(environ=os.environ) -> int:

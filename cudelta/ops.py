@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import _native
-from .reference import gdn_decode_reference
+from .reference import gdn_decode_reference, kda_decode_reference
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -25,6 +25,27 @@ def _native_unsupported(q, v, g, beta, state, layout) -> Optional[str]:
     if q.dtype not in _NATIVE_DTYPES:
         return f"dtype {q.dtype}"
     return None
+
+
+def _decode(kind, q, k, v, g, beta, state, idx, scale, use_qk_l2norm, layout):
+    reference = gdn_decode_reference if kind == "gdn" else kda_decode_reference
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    args = (q, k, v, g, beta, state, idx)
+    if not q.is_cuda:
+        _native.notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)")
+        return reference(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout)
+    st = _native.status()
+    if not st.loaded:
+        if st.path is not None:  # a library that exists but cannot run here is an error, not a slow path
+            raise _native.NativeLibraryError(f"cudelta: {st.reason}")
+        _native.notice_once("no-native", f"{st.reason}; CUDA tensors use the PyTorch reference (slow)")
+        return reference(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout)
+    why = _native_unsupported(q, v, g, beta, state, layout)
+    if why:
+        _native.notice_once(f"unsupported:{why}", f"{why} is not supported by the CUDA kernel; using the reference")
+        return reference(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout)
+    op = torch.ops.cudelta.gdn_decode if kind == "gdn" else torch.ops.cudelta.kda_decode
+    return op(q, k, v, g.float(), beta.float(), state, idx, scale, use_qk_l2norm, st.variant)
 
 
 def gdn_decode(
@@ -45,22 +66,21 @@ def gdn_decode(
     q, k [N, H, K]; v [N, HV, V]; g (log-decay) and beta [N, HV]; state [P, HV, K, V] ("kv");
     idx [N] int32/int64 with negative entries skipped (their output is zero).
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if not q.is_cuda:
-        _native.notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)")
-        return gdn_decode_reference(q, k, v, g, beta, state, idx, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                    layout=layout)
-    st = _native.status()
-    if not st.loaded:
-        if st.path is not None:  # a library that exists but cannot run here is an error, not a slow path
-            raise _native.NativeLibraryError(f"cudelta: {st.reason}")
-        _native.notice_once("no-native", f"{st.reason}; CUDA tensors use the PyTorch reference (slow)")
-        return gdn_decode_reference(q, k, v, g, beta, state, idx, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                    layout=layout)
-    why = _native_unsupported(q, v, g, beta, state, layout)
-    if why:
-        _native.notice_once(f"unsupported:{why}", f"{why} is not supported by the CUDA kernel; using the reference")
-        return gdn_decode_reference(q, k, v, g, beta, state, idx, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                    layout=layout)
-    return torch.ops.cudelta.gdn_decode(q, k, v, g.float(), beta.float(), state, idx, scale, use_qk_l2norm,
-                                        st.variant)
+    return _decode("gdn", q, k, v, g, beta, state, idx, scale, use_qk_l2norm, layout)
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = False,
+    layout: str = "kv",
+) -> torch.Tensor:
+    """One Kimi Delta Attention decode step: as gdn_decode, with a per-channel log-decay g [N, HV, K]."""
+    return _decode("kda", q, k, v, g, beta, state, idx, scale, use_qk_l2norm, layout)

@@ -1,4 +1,5 @@
-// Gated DeltaNet decode step over a pool of recurrent states, updated in place.
+// Gated DeltaNet / Kimi Delta Attention decode step over a pool of recurrent states, updated in
+// place. The two differ only in the decay: one per head (GDN) or one per key channel (KDA).
 //
 // One block of 128 threads owns one (request n, value head hv) pair and a BV-column tile of its
 // [K, V] fp32 state (BV = 32, or 16 for small batches). Thread t holds columns 4*(t%CG)..+3 of
@@ -205,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
   __shared__ float qs[K];
   __shared__ float ks[K];
   __shared__ float red3[kWarps][3];
+  __shared__ float ds[K];
   __shared__ float red[kWarps][CG][8];
   __shared__ uint64_t bars[2];
   extern __shared__ float4 tile[];  // sm80, sm90: [K][CG] float4
@@ -280,7 +282,14 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
   float vv[4];
 #pragma unroll
   for (int m = 0; m < 4; ++m) vv[m] = to_float<T>(vp[m]);
-  const float decay = __expf(p.g[nh]);
+  // Row decays: one value for the head (GDN) or one per key channel (KDA); load_qk's barrier
+  // publishes them.
+  if (p.g_per_channel) {
+    for (int i = t; i < K; i += kThreads) ds[i] = __expf(p.g[nh * K + i]);
+  } else {
+    const float decay = __expf(p.g[nh]);
+    for (int i = t; i < K; i += kThreads) ds[i] = decay;
+  }
   const float beta = p.beta[nh];
   const QkScales sc = load_qk<T, K, kWarps>(p, n, h, qs, ks, red3);
 
@@ -289,6 +298,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
   float pq[4] = {0.f, 0.f, 0.f, 0.f};
   auto accumulate = [&](int j) {
     const int row = r + RG * j;
+    const float decay = ds[row];
     s[j].x *= decay;
     s[j].y *= decay;
     s[j].z *= decay;

@@ -30,7 +30,8 @@ struct GdnDecodeParams {
   int64_t k_stride_n, k_stride_h;
   int64_t v_stride_n, v_stride_h;
   DType dtype;
-  const float* g;     // [N, HV] log-decay, contiguous
+  const float* g;     // log-decay, contiguous: [N, HV] (GDN) or per channel [N, HV, K] (KDA)
+  bool g_per_channel;
   const float* beta;  // [N, HV], contiguous
   float* state;       // [P, HV, K, V] contiguous, updated in place
   const void* idx;    // [N] slot of each request; < 0 or >= P: skipped, output zero

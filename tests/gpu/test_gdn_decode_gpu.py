@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 
 import cudelta  # noqa: E402
 from cudelta import _native  # noqa: E402
-from cudelta.reference import gdn_decode_reference  # noqa: E402
+from cudelta.reference import gdn_decode_reference, kda_decode_reference  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,6 +60,35 @@ def test_variant_matches_reference(name, variant, dtype, K, H, HV, l2norm):
     assert ((out.float() - ref_out.float()).abs().max() / ref_scale).item() <= tol
     assert out.dtype == dtype and out.shape == v.shape
     assert torch.all(out[1] == 0) and torch.all(out[4] == 0)
+
+
+@pytest.mark.parametrize("name,variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K", [64, 128])
+def test_kda_per_channel_decay_matches_reference(name, variant, dtype, K):
+    q, k, v, _g, beta, state, idx = make(N=7, H=4, HV=8, K=K, V=128, P=11, dtype=dtype, invalid=(2,))
+    gk = (-torch.rand(7, 8, K, generator=torch.Generator().manual_seed(5)) * 2).cuda()
+    ref_state = state.clone()
+    ref_out = kda_decode_reference(q, k, v, gk, beta, ref_state, idx, use_qk_l2norm=True)
+    out = torch.ops.cudelta.kda_decode(q, k, v, gk, beta, state, idx, K ** -0.5, True, variant)
+    torch.cuda.synchronize()
+    assert ((state - ref_state).abs().max() / ref_state.abs().max()).item() <= 1e-4
+    tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}[dtype]
+    assert ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item() <= tol
+    assert torch.all(out[2] == 0)
+
+
+def test_a_per_channel_gate_is_refused_by_gdn_and_taken_by_the_public_kda_api():
+    q, k, v, _g, beta, state, idx = make(N=3, H=2, HV=4, K=128, V=128, P=6, dtype=torch.bfloat16)
+    gk = -torch.rand(3, 4, 128, device="cuda")
+    with pytest.raises(RuntimeError, match="per-channel gates are kda_decode"):
+        torch.ops.cudelta.gdn_decode(q, k, v, gk, beta, state, idx, 0.1, True, -1)
+    ref_state = state.clone()
+    ref = kda_decode_reference(q, k, v, gk, beta, ref_state, idx)
+    out = cudelta.kda_decode(q, k, v, gk, beta, state, idx)
+    torch.cuda.synchronize()
+    assert ((state - ref_state).abs().max() / ref_state.abs().max()).item() <= 1e-4
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() <= 1e-2
 
 
 @pytest.mark.parametrize("name,variant", VARIANTS)

@@ -66,3 +66,20 @@ def test_the_reference_notice_comes_once():
         cudelta.gdn_decode(*args)
     notices = [w for w in caught if "PyTorch reference" in str(w.message)]
     assert len(notices) == 1
+
+
+def test_kda_on_cpu_runs_the_per_channel_reference():
+    import torch
+
+    import cudelta
+    from cudelta.reference import kda_decode_reference
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 1, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
+    v, g = torch.randn(2, 2, 64, generator=gen), -torch.rand(2, 2, 64, generator=gen)
+    beta, state = torch.rand(2, 2, generator=gen), torch.randn(3, 2, 64, 64, generator=gen)
+    ref_state = state.clone()
+    expected = kda_decode_reference(q, k, v, g, beta, ref_state, torch.tensor([2, 0]))
+    out = cudelta.kda_decode(q, k, v, g, beta, state, torch.tensor([2, 0]))
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(state, ref_state)
