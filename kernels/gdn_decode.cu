@@ -188,7 +188,7 @@ __device__ __forceinline__ int64_t load_slot(const GdnDecodeParams& p, int64_t n
 
 // generic and sm80: one block per (n, hv, 32-column tile); thread t owns column group t % 8 of
 // rows t / 8 + 16 j, so each warp's float4 accesses cover four whole 128-byte rows.
-template <typename T, int K, int BV, Variant VAR, int MIN_BLOCKS>
+template <typename T, int K, int BV, Variant VAR, int MIN_BLOCKS, bool PER_CHANNEL>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(const GdnDecodeParams p) {
   constexpr int CG = BV / 4;           // float4 column groups
   constexpr int RG = kThreads / CG;    // row groups
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
   __shared__ float qs[K];
   __shared__ float ks[K];
   __shared__ float red3[kWarps][3];
-  __shared__ float ds[K];
+  __shared__ float ds[PER_CHANNEL ? K : 1];
   __shared__ float red[kWarps][CG][8];
   __shared__ uint64_t bars[2];
   extern __shared__ float4 tile[];  // sm80, sm90: [K][CG] float4
@@ -282,13 +282,12 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
   float vv[4];
 #pragma unroll
   for (int m = 0; m < 4; ++m) vv[m] = to_float<T>(vp[m]);
-  // Row decays: one value for the head (GDN) or one per key channel (KDA); load_qk's barrier
-  // publishes them.
-  if (p.g_per_channel) {
+  // GDN: one decay for the head, in a register. KDA: one per key channel, staged in shared
+  // memory (load_qk's barrier publishes them). A template flag keeps GDN free of the staging,
+  // which measured 14% at B=1024 when it was a run-time branch.
+  const float head_decay = PER_CHANNEL ? 1.f : __expf(p.g[nh]);
+  if constexpr (PER_CHANNEL) {
     for (int i = t; i < K; i += kThreads) ds[i] = __expf(p.g[nh * K + i]);
-  } else {
-    const float decay = __expf(p.g[nh]);
-    for (int i = t; i < K; i += kThreads) ds[i] = decay;
   }
   const float beta = p.beta[nh];
   const QkScales sc = load_qk<T, K, kWarps>(p, n, h, qs, ks, red3);
@@ -298,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
   float pq[4] = {0.f, 0.f, 0.f, 0.f};
   auto accumulate = [&](int j) {
     const int row = r + RG * j;
-    const float decay = ds[row];
+    const float decay = PER_CHANNEL ? ds[row] : head_decay;
     s[j].x *= decay;
     s[j].y *= decay;
     s[j].z *= decay;
@@ -371,6 +370,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
 
 template <typename T, int K, int BV, Variant VAR, int MIN_BLOCKS>
 int launch_tile(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, size_t smem) {
+  auto kernel = p.g_per_channel ? gdn_decode_tiled_kernel<T, K, BV, VAR, MIN_BLOCKS, true>
+                                : gdn_decode_tiled_kernel<T, K, BV, VAR, MIN_BLOCKS, false>;
   const int64_t tiles = p.V / BV;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.N * p.HV * tiles));
@@ -387,7 +388,7 @@ int launch_tile(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, siz
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, gdn_decode_tiled_kernel<T, K, BV, VAR, MIN_BLOCKS>, p));
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 // Resident blocks per SM of one build of the kernel on the current device (asked once).
@@ -396,7 +397,8 @@ int resident_blocks(int device, size_t smem) {
   static int cached[64] = {};
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
   int blocks = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gdn_decode_tiled_kernel<T, K, BV, VAR, MIN_BLOCKS>,
+  // The GDN build stands for both: the KDA build differs by K floats of shared memory.
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gdn_decode_tiled_kernel<T, K, BV, VAR, MIN_BLOCKS, false>,
                                                 kThreads, smem);
   if (device >= 0 && device < 64 && blocks > 0) cached[device] = blocks;
   return blocks;
