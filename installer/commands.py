@@ -135,7 +135,7 @@ class bdist_wheel(_bdist_wheel):
         """Install a verified prebuilt wheel into dist_dir; or return why none was used."""
         from .choose import choose
         from .errors import FetchError
-        from .fetch import Fetcher
+        from .fetch import Fetcher, asset_url, display_url
         from .manifest import parse_manifest
 
         version = self.distribution.get_version()
@@ -156,7 +156,7 @@ class bdist_wheel(_bdist_wheel):
             raise  # a corrupt or tampered asset is an error, never a reason to quietly compile
         except FetchError as exc:
             return f"download failed: {exc}"
-        source = {"asset": asset.name, "sha256": asset.sha256, "url": _redact(f"{base}/{asset.name}")}
+        source = {"asset": asset.name, "sha256": asset.sha256, "url": display_url(asset_url(base, asset.name))}
         out = retag_version(Path(path), public_version(version), Path(self.dist_dir), extra_dist_info=source)
         say(f"installing prebuilt {asset.name} (sha256 verified) as {out.name}")
         return None
@@ -168,16 +168,21 @@ class bdist_wheel(_bdist_wheel):
             os.environ["CUDA_HOME"] = home  # read when torch.utils.cpp_extension is imported
         import torch.utils.cpp_extension as cpp
 
+        from .detect import probe_nvcc
+
         settings, target = self._settings, self._target
         archs_text, why = compile_archs(settings, target)
         archs = native.parse_archs(archs_text)
         torch_cuda = cpp.torch.version.cuda
         if torch_cuda is None:
             raise InstallerError(f"torch {cpp.torch.__version__} has no CUDA; cannot compile the CUDA extension")
-        native.check_toolchain(torch_cuda, target.nvcc_version, native.gcc_major_of(target.host_compiler))
+        # Check the nvcc this build will run (the CUDA_HOME just chosen), which need not be the
+        # one detection found first on PATH.
+        nvcc_version, _why = probe_nvcc(target.os_name, os.environ)
+        native.check_toolchain(torch_cuda, nvcc_version, native.gcc_major_of(target.host_compiler))
         jobs = settings.max_jobs or native.default_jobs(os.cpu_count() or 1, native.mem_available_bytes())
         os.environ["MAX_JOBS"] = str(jobs)  # read by torch's BuildExtension for ninja -j
-        toolkit = target.nvcc_version or torch_cuda
+        toolkit = nvcc_version or torch_cuda
         record = native.build_record(
             version=self.distribution.get_version(), toolkit=toolkit, archs=archs,
             torch_version=cpp.torch.__version__, kind="release" if settings.release_build else "local",
@@ -266,16 +271,6 @@ def _detect(settings: Settings):
     from .detect import detect
 
     return detect(settings)
-
-
-def _redact(url: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def _fail(exc: InstallerError) -> None:

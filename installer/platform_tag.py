@@ -16,14 +16,25 @@ from typing import Iterable, Optional
 MANYLINUX_FLOOR = (2, 17)
 
 
-def glibc_versions(objdump_dynamic_symbols: str) -> list[tuple[int, int]]:
-    """GLIBC_x.y versions referenced in `objdump -T` output (undefined symbols are requirements)."""
-    found = []
+def required_symbol_versions(objdump_dynamic_symbols: str) -> list[tuple[str, str, str]]:
+    """`objdump -T` -> [(family, version, symbol)] for every undefined (required) versioned symbol of
+    glibc, libstdc++ and libgcc: e.g. ('GLIBC', '2.34', 'dlsym'), ('CXXABI', 'TM_1', ...)."""
+    required = []
     for line in objdump_dynamic_symbols.splitlines():
         if "*UND*" not in line:
             continue
-        m = re.search(r"\bGLIBC_(\d+)\.(\d+)(?:\.\d+)?\b", line)
+        m = re.search(r"\(?\b(GLIBCXX|GLIBC|CXXABI|GCC)_([A-Za-z0-9_.]+)\)?\s+(\S+)\s*$", line)
         if m:
+            required.append((m.group(1), m.group(2), m.group(3)))
+    return required
+
+
+def glibc_versions(objdump_dynamic_symbols: str) -> list[tuple[int, int]]:
+    """GLIBC_x.y versions the library requires (GLIBC_PRIVATE and the like are not versions)."""
+    found = []
+    for family, version, _symbol in required_symbol_versions(objdump_dynamic_symbols):
+        m = re.match(r"(\d+)\.(\d+)", version)
+        if family == "GLIBC" and m:
             found.append((int(m.group(1)), int(m.group(2))))
     return found
 

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from installer import native  # noqa: E402  (stdlib only: the release archs, the torch floor)
+from installer import native, platform_tag  # noqa: E402  (stdlib only: release archs, floor, ELF versions)
 
 PACKAGE = "cudelta"
 LIBRARY = "cudelta/_C.abi3.so"
@@ -206,17 +206,8 @@ def parse_fatbin_headers(text: str) -> list[dict]:
     return entries
 
 
-def parse_objdump_versions(text: str) -> list[tuple[str, str, str]]:
-    """`objdump -T` -> [(family, version, symbol)] for every undefined (required) versioned symbol of
-    glibc, libstdc++ and libgcc: e.g. ('GLIBC', '2.34', 'dlsym'), ('CXXABI', 'TM_1', ...)."""
-    required = []
-    for line in text.splitlines():
-        if "*UND*" not in line:
-            continue
-        m = re.search(r"\(?\b(GLIBCXX|GLIBC|CXXABI|GCC)_([A-Za-z0-9_.]+)\)?\s+(\S+)\s*$", line)
-        if m:
-            required.append((m.group(1), m.group(2), m.group(3)))
-    return required
+# `objdump -T` -> [(family, version, symbol)]: the same reading the release build tags the wheel by.
+parse_objdump_versions = platform_tag.required_symbol_versions
 
 
 def parse_needed(text: str) -> list[str]:
