@@ -52,22 +52,25 @@ std::string fix_command(int cc) {
          " pip install --no-cache-dir --force-reinstall cudelta";
 }
 
-Variant select(int device, int64_t requested, int64_t heads) {
-  const int cc = device_compute_capability(device);
-  STD_TORCH_CHECK(cc > 0, "cudelta: cannot read the compute capability of CUDA device ", device);
-  ImageInfo info{};
-  const int err = probe_image(device, &info);
-  STD_TORCH_CHECK(err == 0, "cudelta: this build has no kernel image for CUDA device ", device, " (compute ",
-                  cc / 10, ".", cc % 10, "): ", cuda_error_string(err), ". Built for ", kBuildArchs,
-                  ". Build for this GPU with: ", fix_command(cc));
-  if (requested < 0) return auto_variant(info.cuda_arch, heads);
+Variant select(int device, int64_t requested, int64_t heads, ImageInfo* info) {
+  const int err = probe_image(device, info);
+  if (err != 0) {
+    const int cc = device_compute_capability(device);
+    STD_TORCH_CHECK(cc > 0, "cudelta: cannot read the compute capability of CUDA device ", device);
+    STD_TORCH_CHECK(false, "cudelta: this build has no kernel image for CUDA device ", device, " (compute ", cc / 10,
+                    ".", cc % 10, "): ", cuda_error_string(err), ". Built for ", kBuildArchs,
+                    ". Build for this GPU with: ", fix_command(cc));
+  }
+  if (requested < 0) return auto_variant(info->cuda_arch, heads);
   STD_TORCH_CHECK(requested < kNumVariants, "cudelta: kernel variant ", requested,
                   " does not exist; accepted: generic, sm80, sm90, sm90tma (CUDELTA_KERNEL_VARIANT)");
   const auto v = static_cast<Variant>(requested);
-  STD_TORCH_CHECK(variant_min_arch(v) <= info.cuda_arch, "cudelta: kernel variant ", variant_name(v), " needs an sm_",
-                  variant_min_arch(v) / 10, "+ image, but CUDA device ", device, " (compute ", cc / 10, ".", cc % 10,
-                  ") runs the sm_", info.cuda_arch / 10, " image; variants it can run: generic",
-                  info.cuda_arch >= 800 ? ", sm80" : "", info.cuda_arch >= 900 ? ", sm90, sm90tma" : "");
+  const int cc = info->compute_capability;
+  STD_TORCH_CHECK(variant_min_arch(v) <= info->cuda_arch, "cudelta: kernel variant ", variant_name(v),
+                  " needs an sm_", variant_min_arch(v) / 10, "+ image, but CUDA device ", device, " (compute ",
+                  cc / 10, ".", cc % 10, ") runs the sm_", info->cuda_arch / 10,
+                  " image; variants it can run: generic", info->cuda_arch >= 800 ? ", sm80" : "",
+                  info->cuda_arch >= 900 ? ", sm90, sm90tma" : "");
   return v;
 }
 
@@ -143,7 +146,8 @@ Tensor decode(const char* op, Tensor q, Tensor k, Tensor v, Tensor g, Tensor bet
   STD_TORCH_CHECK(idx.dim() == 1 && idx.size(0) == N && idx.is_contiguous(),
                   op, ": idx must be a contiguous [N] = [", N, "] tensor, got ", shape_of(idx));
 
-  const Variant chosen = select(device, variant, N * HV);
+  ImageInfo info{};
+  const Variant chosen = select(device, variant, N * HV, &info);
   Tensor out = torch::stable::new_empty(v, {N, HV, V});
 
   GdnDecodeParams p{};
@@ -172,6 +176,8 @@ Tensor decode(const char* op, Tensor q, Tensor k, Tensor v, Tensor g, Tensor bet
   p.P = state.size(0);
   p.scale = static_cast<float>(scale);
   p.use_qk_l2norm = use_qk_l2norm;
+  p.device = device;
+  p.sm_count = info.sm_count;
 
   torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;
@@ -192,7 +198,8 @@ Tensor kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor st
 }
 
 int64_t select_variant(int64_t device, int64_t requested, int64_t heads) {
-  return static_cast<int64_t>(select(static_cast<int>(device), requested, heads));
+  ImageInfo info{};
+  return static_cast<int64_t>(select(static_cast<int>(device), requested, heads, &info));
 }
 
 std::vector<int64_t> probe(int64_t device) {
@@ -202,7 +209,7 @@ std::vector<int64_t> probe(int64_t device) {
   const int err = probe_image(static_cast<int>(device), &info);
   if (err != 0) return {cc, 0, 0, 0, -1};  // no image: the caller reports it with the built archs
   return {cc, info.cuda_arch, info.arch_specific ? 1 : 0, info.family_specific ? 1 : 0,
-          static_cast<int64_t>(select(static_cast<int>(device), -1, int64_t(1) << 30))};
+          static_cast<int64_t>(select(static_cast<int>(device), -1, int64_t(1) << 30, &info))};
 }
 
 std::string build_info() { return kBuildInfoJson; }

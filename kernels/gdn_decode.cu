@@ -188,6 +188,10 @@ __device__ __forceinline__ int64_t load_slot(const GdnDecodeParams& p, int64_t n
 
 // generic and sm80: one block per (n, hv, 32-column tile); thread t owns column group t % 8 of
 // rows t / 8 + 16 j, so each warp's float4 accesses cover four whole 128-byte rows.
+// generic and sm90 read the state tile straight into registers; sm80 and sm90tma stage it in
+// shared memory.
+constexpr bool tile_in_registers(Variant v) { return v == Variant::kGeneric || v == Variant::kSm90; }
+
 template <typename T, int K, int BV, Variant VAR, int MIN_BLOCKS, bool PER_CHANNEL>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(const GdnDecodeParams p) {
   constexpr int CG = BV / 4;           // float4 column groups
@@ -249,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
 
   // The state tile goes first: its loads are in flight while q and k are reduced.
   float4 s[R] = {};
-  if constexpr (VAR == Variant::kGeneric || VAR == Variant::kSm90) {
+  if constexpr (tile_in_registers(VAR)) {
 #pragma unroll
     for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const float4*>(S + int64_t(r + RG * j) * p.V + 4 * c);
   } else if constexpr (VAR == Variant::kSm80) {
@@ -306,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
     pk[0] += s[j].x * kr; pk[1] += s[j].y * kr; pk[2] += s[j].z * kr; pk[3] += s[j].w * kr;
     pq[0] += s[j].x * qr; pq[1] += s[j].y * qr; pq[2] += s[j].z * qr; pq[3] += s[j].w * qr;
   };
-  if constexpr (VAR == Variant::kGeneric || VAR == Variant::kSm90) {
+  if constexpr (tile_in_registers(VAR)) {
 #pragma unroll
     for (int j = 0; j < R; ++j) accumulate(j);
   } else {
@@ -408,10 +412,8 @@ template <typename T, int K, Variant VAR>
 int launch_tiled(const GdnDecodeParams& p, cudaStream_t stream) {
   constexpr int BV = kWideTileV;
   const bool cluster = VAR == Variant::kSm90 || VAR == Variant::kSm90Tma;
-  const size_t smem = (VAR == Variant::kGeneric || VAR == Variant::kSm90) ? 0 : size_t(K) * BV * sizeof(float);
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const size_t smem = tile_in_registers(VAR) ? 0 : size_t(K) * BV * sizeof(float);
+  const int device = p.device, sms = p.sm_count;
   const int64_t blocks = p.N * p.HV * (p.V / BV);
   const int free_fit = resident_blocks<T, K, BV, VAR, 1>(device, smem);
   const int squeezed_fit = resident_blocks<T, K, BV, VAR, kSqueezedBlocksPerSm>(device, smem);

@@ -40,6 +40,8 @@ struct GdnDecodeParams {
   int64_t N, H, HV, K, V, P;
   float scale;
   bool use_qk_l2norm;
+  int device;    // the CUDA device of the tensors (current while launching)
+  int sm_count;  // its multiprocessors, from the cached probe: no driver query per launch
 };
 
 // Launch on `stream` (a cudaStream_t). Returns 0 or a cudaError_t value.
@@ -47,12 +49,15 @@ int launch_gdn_decode(const GdnDecodeParams& p, Variant variant, void* stream);
 
 // Compute capability (major * 10 + minor) of `device`.
 int device_compute_capability(int device);
-// __CUDA_ARCH__ of the image the driver loads on `device` (e.g. 900), and whether arch-specific
-// (sm_XYa) features were compiled in; runs a probe kernel once per device, then cached.
+// __CUDA_ARCH__ of the image the driver loads on `device` (e.g. 900), whether arch-specific
+// (sm_XYa) features were compiled in, and the device facts every launch needs; runs a probe
+// kernel once per device, then cached, so the per-call path asks the driver nothing.
 struct ImageInfo {
   int cuda_arch;
   bool arch_specific;
   bool family_specific;
+  int compute_capability;  // major * 10 + minor
+  int sm_count;
 };
 int probe_image(int device, ImageInfo* info);
 // Last CUDA error text for messages.

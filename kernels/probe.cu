@@ -100,7 +100,9 @@ int probe_image(int device, ImageInfo* info) {
     cudaGetLastError();  // clear a non-sticky error so torch's next check does not trip on it
     return static_cast<int>(err);
   }
-  g_cache[device] = ImageInfo{host[0], host[1] != 0, host[2] != 0};
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  g_cache[device] = ImageInfo{host[0], host[1] != 0, host[2] != 0, device_compute_capability(device), sms};
   g_cached[device] = true;
   *info = g_cache[device];
   return 0;
