@@ -217,13 +217,28 @@ def cuda_home(environ=None) -> Optional[str]:
     return None
 
 
+# The CUDA runtime goes in statically, so the library needs the driver (libcuda, dlopen'ed by the
+# runtime) and nothing of the toolkit: one wheel then loads under a CUDA 12 or 13 build of torch
+# alike, and the install choice never depends on torch's CUDA flavour. rt, pthread and dl are what
+# libcudart_static itself calls into (folded into libc from glibc 2.34, separate before).
+STATIC_CUDART = ("cudart_static", "rt", "pthread", "dl")
+
+
+def link_libraries(libraries: Sequence[str]) -> list[str]:
+    """torch's CUDAExtension list with its shared `cudart` swapped for the static runtime."""
+    out = [lib for lib in libraries if lib != "cudart"]
+    return out + [lib for lib in STATIC_CUDART if lib not in out]
+
+
 def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_dir: Path):
     from torch.utils.cpp_extension import CUDAExtension
 
-    return CUDAExtension(
+    ext = CUDAExtension(
         name="cudelta._C",
         sources=list(SOURCES),
         include_dirs=[str(header_dir)],
         extra_compile_args={"cxx": cxx_flags(), "nvcc": nvcc_flags(archs, compress=compress, threads=jobs)},
         py_limited_api=True,
     )
+    ext.libraries = link_libraries(ext.libraries)
+    return ext
