@@ -18,17 +18,9 @@ VARIANT_NAMES = {v: k for k, v in _native.VARIANTS.items()}
 
 
 def driver_cuda_version() -> Optional[str]:
-    """The CUDA version the driver supports (cuDriverGetVersion), e.g. '13.0'."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        ver = ctypes.c_int()
-        if lib.cuDriverGetVersion(ctypes.byref(ver)) != 0:
-            return None
-        return f"{ver.value // 1000}.{ver.value % 1000 // 10}"
-    except OSError:
-        return None
+    """The CUDA version the driver supports, e.g. '13.0' (the same reading the loader's guard uses)."""
+    seen = _native.driver_cuda_version()
+    return f"{seen[0]}.{seen[1]}" if seen else None
 
 
 def install_source() -> dict:

@@ -1,8 +1,8 @@
 """Finding, checking and loading the native library, lazily and with errors a person can act on.
 
-The build record `_build_info.json` beside the library is read BEFORE dlopen: a library built for
-another CUDA major, or a torch below the stable-ABI floor, is refused with the command that fixes
-it, never with `undefined symbol` from deep inside the loader.
+The build record `_build_info.json` beside the library is read BEFORE dlopen: a CPU build of torch,
+a torch below the stable-ABI floor, or a driver too old for the library's toolkit is refused with
+the command that fixes it, never with `undefined symbol` from deep inside the loader.
 """
 
 from __future__ import annotations
@@ -62,20 +62,51 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def compatibility_problem(info: dict, torch_version: str, torch_cuda: Optional[str]) -> Optional[str]:
-    """Why a library with build record `info` cannot run under this torch, or None."""
-    archs = ", ".join(info.get("archs", []) + info.get("ptx", []))
+def driver_cuda_version() -> Optional[tuple[int, int]]:
+    """The CUDA version the NVIDIA driver supports (cuDriverGetVersion 13000 -> (13, 0)), or None.
+
+    Read from libcuda directly: torch would initialise CUDA, and a CPU build of torch has no answer.
+    """
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        value = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(value)) != 0 or value.value <= 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return value.value // 1000, (value.value % 1000) // 10
+
+
+def driver_floor(info: dict) -> tuple[int, int]:
+    """The oldest driver that runs the library: its toolkit's major release (the CUDA runtime is
+    linked statically, so minor-version compatibility holds within a major)."""
+    floor = str(info.get("driver_floor") or f"{str(info.get('cuda_toolkit', '0')).split('.')[0]}.0")
+    major, _, minor = floor.partition(".")
+    return int(major), int(minor or 0)
+
+
+def compatibility_problem(info: dict, torch_version: str, torch_cuda: Optional[str],
+                          driver: Optional[tuple[int, int]]) -> Optional[str]:
+    """Why a library with build record `info` cannot run here, or None.
+
+    The library depends on the driver, not on a CUDA runtime: any CUDA build of torch above the
+    stable-ABI floor can load it, whatever its CUDA version, when the driver can run its code.
+    """
     if torch_cuda is None:
-        return (f"torch {torch_version} is a CPU build; cudelta's CUDA library (CUDA {info.get('cuda_toolkit')}) "
-                "needs a CUDA build of torch")
+        return (f"torch {torch_version} is a CPU build; cudelta's CUDA kernels need a CUDA build of torch "
+                "(CPU tensors run the PyTorch reference)")
     floor = info.get("torch_floor", "0")
     if _version_tuple(torch_version) < _version_tuple(floor):
         return (f"cudelta was built against the torch stable ABI of {floor}, but torch is {torch_version}; "
                 f"upgrade torch (pip install 'torch>={floor}') or rebuild: FORCE_BUILD=1 {REINSTALL}")
-    built = str(info.get("cuda_toolkit", ""))
-    if built and built.split(".")[0] != torch_cuda.split(".")[0]:
-        return (f"cudelta was built for CUDA {built} ({archs}) but torch {torch_version} uses CUDA {torch_cuda}; "
-                f"the CUDA majors must match. Reinstall to get the matching build: {REINSTALL}")
+    need = driver_floor(info)
+    if driver is not None and driver < need:
+        built = info.get("cuda_toolkit", "?")
+        return (f"the NVIDIA driver supports CUDA {driver[0]}.{driver[1]}, but this cudelta build (CUDA {built}) "
+                f"needs a driver for CUDA >= {need[0]}.{need[1]}; update the driver, or reinstall, which "
+                f"picks the build your driver runs: {REINSTALL}")
     return None
 
 
@@ -97,7 +128,7 @@ def _load() -> NativeStatus:
         return NativeStatus(None, info, False, "no native library in this install (pure-Python wheel)")
     if info is None:
         return NativeStatus(path, None, False, f"{path.name} has no _build_info.json beside it; reinstall: {REINSTALL}")
-    problem = compatibility_problem(info, str(torch.__version__), torch.version.cuda)
+    problem = compatibility_problem(info, str(torch.__version__), torch.version.cuda, driver_cuda_version())
     if problem:
         return NativeStatus(path, info, False, problem)
     try:

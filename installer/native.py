@@ -177,6 +177,9 @@ def build_record(*, version: str, toolkit: str, archs: Sequence[ArchTarget], tor
         "torch_built_with": torch_version,
         "torch_floor": TORCH_FLOOR,
         "python_floor": "3.10",
+        # Static runtime: any driver of the toolkit's major runs the cubins (minor-version
+        # compatibility); the loader and the release manifest read this floor.
+        "driver_floor": f"{toolkit.split('.')[0]}.0",
         "git_revision": git_revision(),
         "build": kind,
         "fatbin_compression": compressed,

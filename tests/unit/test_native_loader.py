@@ -9,23 +9,33 @@ from cudelta import _native  # noqa: E402
 INFO = {"cuda_toolkit": "13.0", "archs": ["sm_80", "sm_90a"], "ptx": ["compute_120"], "torch_floor": "2.10"}
 
 
-def test_matching_torch_is_fine():
-    assert _native.compatibility_problem(INFO, "2.11.0+cu130", "13.0") is None
-    assert _native.compatibility_problem(INFO, "2.14.1+cu132", "13.2") is None
+def test_any_cuda_build_of_torch_above_the_floor_loads_it():
+    # The runtime is linked statically: torch's own CUDA version does not matter, the driver does.
+    for torch_version, torch_cuda in [("2.11.0+cu130", "13.0"), ("2.10.0+cu128", "12.8"), ("2.14.1+cu132", "13.2")]:
+        assert _native.compatibility_problem(INFO, torch_version, torch_cuda, (13, 0)) is None
 
 
-def test_cuda_major_mismatch_names_both_and_the_reinstall_command():
-    msg = _native.compatibility_problem(INFO, "2.11.0+cu128", "12.8")
-    assert "CUDA 13.0" in msg and "CUDA 12.8" in msg and "--force-reinstall" in msg and "--no-cache-dir" in msg
+def test_a_driver_older_than_the_toolkit_major_names_both_and_the_reinstall_command():
+    msg = _native.compatibility_problem(INFO, "2.11.0+cu128", "12.8", (12, 8))
+    assert "CUDA 12.8" in msg and ">= 13.0" in msg and "--force-reinstall" in msg and "--no-cache-dir" in msg
+
+
+def test_an_unseen_driver_is_not_a_reason_to_refuse():
+    assert _native.compatibility_problem(INFO, "2.11.0+cu130", "13.0", None) is None
+
+
+def test_the_record_s_driver_floor_wins_over_the_toolkit_major():
+    assert _native.driver_floor({**INFO, "driver_floor": "12.4"}) == (12, 4)
+    assert _native.driver_floor(INFO) == (13, 0)
 
 
 def test_torch_below_the_stable_abi_floor():
-    msg = _native.compatibility_problem(INFO, "2.9.1+cu130", "13.0")
+    msg = _native.compatibility_problem(INFO, "2.9.1+cu130", "13.0", (13, 0))
     assert "2.10" in msg and "torch>=2.10" in msg
 
 
 def test_cpu_torch_cannot_use_the_cuda_library():
-    assert "CPU build" in _native.compatibility_problem(INFO, "2.13.0+cpu", None)
+    assert "CPU build" in _native.compatibility_problem(INFO, "2.13.0+cpu", None, (13, 0))
 
 
 @pytest.mark.parametrize("raw,expected", [("", -1), ("auto", -1), ("generic", 0), ("SM80", 1), ("sm90", 2)])
