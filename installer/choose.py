@@ -1,9 +1,14 @@
 """Choose the release asset for a target, or say in one line why there is none.
 
-Pure: a Manifest and a TargetEnv in, a Choice out. Each asset is checked against an ordered list
-of rules (version, Python, platform, CUDA, torch floor, driver, GPU coverage); among the assets
-that pass every rule the highest CUDA toolkit wins, and when none passes, the asset that got
-furthest explains the refusal, since its failing rule is the one the user is closest to fixing.
+Pure: a Manifest and a TargetEnv in, a Choice out. The choice reads only what every build can
+see, torch or no torch (pip builds sdists before it installs their dependencies): the platform
+(OS, CPU arch, glibc), the Python, the driver's CUDA version and every GPU's compute capability.
+The library carries its CUDA runtime, so torch's own CUDA flavour is not an input.
+
+Each asset is checked against an ordered list of rules (Python, platform, driver, GPU coverage).
+With a driver in sight, the newest toolkit build it runs wins; with none (image builds, CI), the
+most compatible build, the one with the lowest driver floor. When nothing passes, the asset that
+got furthest explains the refusal, since its failing rule is the one the user is closest to fixing.
 """
 
 from __future__ import annotations
@@ -138,28 +143,12 @@ def _mm(t: Tuple[int, int]) -> str:
     return f"{t[0]}.{t[1]}"
 
 
-def _cuda_tuple(text: str) -> Tuple[int, int]:
-    major, minor = text.split(".")[:2]
-    return int(major), int(minor)
-
-
-def _release(version: str) -> Optional[Tuple[int, ...]]:
-    """Release numbers only: '2.14.1+cu130' -> (2, 14, 1); a nightly '2.10.0a0' counts as 2.10.0."""
-    try:
-        release = Version(version).release
-    except InvalidVersion:
-        return None
-    return tuple(release) + (0,) * (3 - len(release))
-
-
 @dataclass(frozen=True)
 class _Context:
     target: TargetEnv
     release: str
     assets: Tuple[Asset, ...]  # of the package version
     tag_rank: Dict[Tag, int]
-    want_cuda: Optional[Tuple[int, int]]  # None: matching by driver
-    cuda_desc: str
 
 
 @dataclass(frozen=True)
@@ -203,33 +192,18 @@ def _rule_platform(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
     return f"no prebuilt wheel for {system}: release {ctx.release} has {have} only", ""
 
 
-def _rule_cuda(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
-    a = asset.cuda_tuple
-    if ctx.want_cuda is not None:
-        ok = a[0] == ctx.want_cuda[0] and a[1] <= ctx.want_cuda[1]
-    else:
-        ok = a[0] <= ctx.target.driver_cuda[0]
-    if ok:
-        return None, ctx.cuda_desc
-    have = ", ".join(sorted({x.cuda for x in ctx.assets}, key=_cuda_tuple))
-    return f"no prebuilt wheel for {ctx.cuda_desc}: release {ctx.release} has CUDA {have} only", ""
-
-
-def _rule_torch(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
-    version = ctx.target.torch_version
-    have, floor = (_release(version) if version else None), _release(asset.torch_floor)
-    if have is None or floor is None or have >= floor:
-        return None, ""
-    return (f"torch {version} is older than {asset.torch_floor}, the floor of {asset.name} "
-            "(upgrade torch)"), ""
+def _driver_desc(target: TargetEnv) -> str:
+    assert target.driver_cuda is not None
+    by = " by CUDELTA_DRIVER_CUDA" if target.driver_overridden else ""
+    return f"driver CUDA {_mm(target.driver_cuda)}{by}"
 
 
 def _rule_driver(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
     driver = ctx.target.driver_cuda
     if driver is None:
-        return None, "driver not seen"
+        return None, f"no driver visible, {asset.name} runs on drivers for CUDA >= {asset.driver_floor}"
     if driver >= asset.driver_floor_tuple:
-        return None, f"driver CUDA {_mm(driver)}"
+        return None, _driver_desc(ctx.target)
     return (f"the NVIDIA driver supports CUDA {_mm(driver)}, older than the {asset.driver_floor} "
             f"that {asset.name} needs (update the driver)"), ""
 
@@ -238,12 +212,17 @@ def _rule_gpus(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
     gpus = ctx.target.gpus
     if not gpus:
         return None, f"no GPU visible, the fat binary covers {asset.describe_archs()}"
+    # PTX is JIT-compiled by the driver, which must know the toolkit's PTX version.
+    driver = ctx.target.driver_cuda
+    ptx = asset.ptx if driver is not None and driver >= asset.cuda_tuple else ()
     groups: Dict[Tuple[str, str], List[int]] = {}
     for gpu in gpus:
-        arch = covering_arch(asset.archs + asset.ptx, gpu.major, gpu.minor)
+        arch = covering_arch(asset.archs + ptx, gpu.major, gpu.minor)
         if arch is None:
+            jit = (f"; its PTX needs a driver for CUDA >= {asset.cuda}"
+                   if asset.ptx and covering_arch(asset.ptx, gpu.major, gpu.minor) else "")
             return (f"GPU {gpu.index} (compute {gpu.major}.{gpu.minor}) has no cubin or PTX in "
-                    f"{asset.name}: release archs {asset.describe_archs()}"), ""
+                    f"{asset.name}: release archs {asset.describe_archs()}{jit}"), ""
         how = f"{arch} cubin" if arch.startswith("sm_") else f"{arch} PTX (JIT)"
         groups.setdefault((gpu.sm, how), []).append(gpu.index)
     return None, ", ".join(
@@ -251,7 +230,7 @@ def _rule_gpus(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
     )
 
 
-_RULES = (_rule_python, _rule_platform, _rule_cuda, _rule_torch, _rule_driver, _rule_gpus)
+_RULES = (_rule_python, _rule_platform, _rule_driver, _rule_gpus)
 
 
 def _evaluate(asset: Asset, ctx: _Context) -> _Verdict:
@@ -262,44 +241,36 @@ def _evaluate(asset: Asset, ctx: _Context) -> _Verdict:
             return _Verdict(asset, stage, refusal)
         met.append(how)
     # Order of the success line: what was matched, then the machine.
-    _, platform, cuda, _, driver, gpus = met
+    _, platform, driver, gpus = met
     rank = min(ctx.tag_rank[tag] for tag in asset.tags if tag in ctx.tag_rank)
-    return _Verdict(asset, len(_RULES), f"{asset.name} matches: {cuda}, {driver}, {gpus}, {platform}", rank)
+    return _Verdict(asset, len(_RULES), f"{asset.name} matches: {driver}, {gpus}, {platform}", rank)
 
 
 # --------------------------------------------------------------------------------------------
 # Entry point
 
 
-def _pure_python_reason(target: TargetEnv) -> Optional[str]:
-    if target.os_name not in ("linux", "windows"):
-        return f"{target.os_name} has no CUDA: {PURE_PYTHON_TAIL}"
-    if target.cuda_overridden and target.torch_cuda is None:
-        return f"CUDELTA_CUDA_VERSION=cpu: {PURE_PYTHON_TAIL}"
-    if target.torch_version is not None and target.torch_cuda is None:
-        return f"torch {target.torch_version} has no CUDA: {PURE_PYTHON_TAIL}"
+def pure_python_reason(target: TargetEnv) -> Optional[str]:
+    """Why the target gets no native code at all, or None. The one place this is decided."""
+    if target.os_name != "linux":
+        return f"{target.os_name} has no CUDA build of cudelta: {PURE_PYTHON_TAIL}"
+    if target.driver_overridden and target.driver_cuda is None:
+        return f"CUDELTA_DRIVER_CUDA=cpu: {PURE_PYTHON_TAIL}"
     return None
 
 
-def _cuda_wanted(target: TargetEnv) -> Tuple[Optional[Tuple[int, int]], str]:
-    if target.torch_cuda is not None:
-        cuda = _cuda_tuple(target.torch_cuda)
-        if target.cuda_overridden:
-            seen = f"torch {target.torch_version}" if target.torch_version else "torch not visible"
-            return cuda, f"CUDA {target.torch_cuda} by CUDELTA_CUDA_VERSION ({seen})"
-        return cuda, f"torch {target.torch_version} (CUDA {target.torch_cuda})"
-    assert target.driver_cuda is not None
-    return None, f"driver CUDA {_mm(target.driver_cuda)} (torch not visible)"
+def _best(matches: List[_Verdict], driver_seen: bool) -> _Verdict:
+    if driver_seen:  # the newest toolkit this driver runs
+        return max(matches, key=lambda v: (v.asset.cuda_tuple, -v.tag_rank))
+    # No driver to go by: the build that runs on the most drivers, then the newest toolkit.
+    return max(matches, key=lambda v: (tuple(-x for x in v.asset.driver_floor_tuple), v.asset.cuda_tuple,
+                                       -v.tag_rank))
 
 
 def choose(manifest: Manifest, target: TargetEnv, package_version: str) -> Choice:
-    pure = _pure_python_reason(target)
+    pure = pure_python_reason(target)
     if pure is not None:
         return Choice(None, pure, pure_python=True)
-    if target.torch_cuda is None and target.driver_cuda is None:
-        return Choice(None, "neither torch nor an NVIDIA driver is visible to this build, so no "
-                      "prebuilt wheel can be matched; set CUDELTA_TARGET_PYTHON=/path/to/python or "
-                      "CUDELTA_CUDA_VERSION=13.0 (or cpu) to say which torch")
     try:
         wanted = Version(package_version)
     except InvalidVersion:
@@ -307,19 +278,25 @@ def choose(manifest: Manifest, target: TargetEnv, package_version: str) -> Choic
     assets = tuple(a for a in manifest.assets if Version(a.public_version) == Version(wanted.public))
     if not assets:
         return Choice(None, f"release {manifest.version} lists no prebuilt wheel of cudelta {wanted.public}")
+    if not any(a.platform.endswith("_" + target.machine) for a in assets):
+        # No CUDA build exists for this CPU at all: a compile would be the first of its kind.
+        return Choice(None, f"release {manifest.version} has no CUDA build for {target.machine}: "
+                      f"{PURE_PYTHON_TAIL}", pure_python=True)
 
-    want_cuda, cuda_desc = _cuda_wanted(target)
     tags = target_tags(target)
-    ctx = _Context(
-        target=target, release=manifest.version, assets=assets,
-        tag_rank={tag: i for i, tag in reversed(list(enumerate(tags)))},
-        want_cuda=want_cuda, cuda_desc=cuda_desc,
-    )
+    ctx = _Context(target=target, release=manifest.version, assets=assets,
+                   tag_rank={tag: i for i, tag in reversed(list(enumerate(tags)))})
     verdicts = [_evaluate(asset, ctx) for asset in assets]
     matches = [v for v in verdicts if v.stage == len(_RULES)]
     if matches:
-        best = max(matches, key=lambda v: (v.asset.cuda_tuple, -v.tag_rank))
-        return Choice(best.asset, best.reason)
-    # Furthest along; among those, the highest toolkit (the one an upgrade would reach).
-    closest = max(verdicts, key=lambda v: (v.stage, v.asset.cuda_tuple))
+        best = _best(matches, target.driver_cuda is not None)
+        reason = best.reason
+        if target.driver_cuda is None:
+            reason = ("no NVIDIA driver visible, so the most compatible build (CUDELTA_DRIVER_CUDA=<version> "
+                      "chooses for a given driver): " + reason)
+        return Choice(best.asset, reason)
+    # Furthest along; among those, one for this CPU, then the highest toolkit (the one an upgrade
+    # would reach).
+    closest = max(verdicts, key=lambda v: (v.stage, v.asset.platform.endswith("_" + target.machine),
+                                           v.asset.cuda_tuple))
     return Choice(None, closest.reason)

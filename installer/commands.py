@@ -41,12 +41,11 @@ class Plan:
 
 def plan_for(settings: Settings, target) -> Plan:
     """The first decision: no native code at all, try a prebuilt wheel, or compile."""
-    if target.os_name != "linux":
-        return Plan("pure", f"{target.os_name} has no CUDA build of cudelta: pure-Python wheel (PyTorch reference ops)")
-    cuda = settings.cuda_flavour or target.torch_cuda
-    if cuda == "cpu" or (target.torch_version and not cuda):
-        why = "CUDELTA_CUDA_VERSION=cpu" if cuda == "cpu" else f"torch {target.torch_version} is a CPU build"
-        return Plan("pure", f"{why}: pure-Python wheel, ops run the PyTorch reference (no compiler needed)")
+    from .choose import pure_python_reason
+
+    pure = pure_python_reason(target)
+    if pure is not None:
+        return Plan("pure", pure)
     if settings.release_build:
         return Plan("compile", "CUDELTA_RELEASE_BUILD=1: compiling the release fat binary")
     if settings.force_build:
@@ -132,21 +131,25 @@ class bdist_wheel(_bdist_wheel):
 
     # --- fetch path ---------------------------------------------------------------------------
     def _try_prebuilt(self) -> Optional[str]:
-        """Install a verified prebuilt wheel into dist_dir; or return why none was used."""
+        """Install a verified prebuilt wheel (or the pure-Python one) into dist_dir; or return why
+        none was used."""
         from .choose import choose
         from .errors import FetchError
         from .fetch import Fetcher, asset_url, display_url
-        from .manifest import parse_manifest
 
         version = self.distribution.get_version()
         base = self._settings.release_url(version)
         fetcher = Fetcher(self._settings)
         try:
-            manifest = parse_manifest(fetcher.fetch_json(base, MANIFEST_NAME))
+            manifest, trusted = _trusted_manifest(self._settings, fetcher, base)
         except FetchError as exc:
             return f"release manifest unavailable: {exc}"
         choice = choose(manifest, self._target, version)
         say(choice.reason)
+        if choice.pure_python:
+            self._become_pure()
+            super().run()
+            return None
         if choice.asset is None:
             return "no asset matches"
         asset = choice.asset
@@ -156,10 +159,18 @@ class bdist_wheel(_bdist_wheel):
             raise  # a corrupt or tampered asset is an error, never a reason to quietly compile
         except FetchError as exc:
             return f"download failed: {exc}"
-        source = {"asset": asset.name, "sha256": asset.sha256, "url": display_url(asset_url(base, asset.name))}
+        source = {"asset": asset.name, "sha256": asset.sha256, "url": display_url(asset_url(base, asset.name)),
+                  "manifest": trusted}
         out = retag_version(Path(path), public_version(version), Path(self.dist_dir), extra_dist_info=source)
-        say(f"installing prebuilt {asset.name} (sha256 verified) as {out.name}")
+        say(f"installing prebuilt {asset.name} (sha256 verified against the {trusted}) as {out.name}")
         return None
+
+    def _become_pure(self) -> None:
+        """No CUDA build exists for this platform: the same wheel as a CPU-only system gets."""
+        self.distribution.ext_modules = []
+        self.root_is_pure = True
+        self.py_limited_api = False
+        self.plat_name_supplied = False
 
     # --- compile path -------------------------------------------------------------------------
     def _compile(self) -> None:
@@ -229,9 +240,9 @@ class bdist_wheel(_bdist_wheel):
             if probe.returncode != 0:
                 raise InstallerError(
                     "cannot compile cudelta: torch is not importable by this build"
-                    f" ({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'not found'}). "
-                    "Install torch first; with uv use `uv pip install --no-build-isolation cudelta` or "
-                    "`extra-build-dependencies = { cudelta = [{ requirement = \"torch\", match-runtime = true }] }`."
+                    f" ({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'not found'}), "
+                    "and a local compile needs it. Install torch first (pip install torch), then cudelta "
+                    "again; or set CUDELTA_TARGET_PYTHON to the interpreter that has torch."
                 )
             result = subprocess.run(cmd, env=env, cwd=os.getcwd())
             if result.returncode != 0:
@@ -239,6 +250,30 @@ class bdist_wheel(_bdist_wheel):
             for wheel in Path(tmp).glob("*.whl"):
                 Path(self.dist_dir).mkdir(parents=True, exist_ok=True)
                 shutil.move(str(wheel), str(Path(self.dist_dir) / wheel.name))
+
+
+EMBEDDED_MANIFEST = native.ROOT / "installer" / "release_manifest.json"
+
+
+def _trusted_manifest(settings: Settings, fetcher, base: str):
+    """The manifest downloads are verified against, and which one it is (said in the log).
+
+    The release's sdist embeds it: PyPI served and hashed that file, so a replaced GitHub asset
+    or a hostile mirror cannot pass. A downloaded one is trusted only where there is no embedded
+    one (a git checkout) or the user opts in for a private mirror of their own builds.
+    """
+    from .manifest import loads_manifest, parse_manifest
+
+    if EMBEDDED_MANIFEST.is_file() and not settings.trust_downloaded_manifest:
+        manifest = loads_manifest(EMBEDDED_MANIFEST.read_text())
+        say(f"trusting the release manifest embedded in this sdist (release {manifest.version}, "
+            f"{len(manifest.assets)} assets)")
+        return manifest, "manifest embedded in the sdist"
+    why = ("CUDELTA_TRUST_DOWNLOADED_MANIFEST=1" if EMBEDDED_MANIFEST.is_file()
+           else "no manifest embedded in this source tree")
+    manifest = parse_manifest(fetcher.fetch_json(base, MANIFEST_NAME))
+    say(f"trusting {MANIFEST_NAME} downloaded from the release URL ({why})")
+    return manifest, f"{MANIFEST_NAME} downloaded from the release URL"
 
 
 def _build_ext_class(base, record: dict):
@@ -285,6 +320,27 @@ class sdist(_sdist):
         stamp = Path(base_dir) / "installer" / "GIT_REVISION"
         stamp.unlink(missing_ok=True)  # may be a hard link into the source tree
         stamp.write_text(native.git_revision() + "\n")
+        self._embed_release_manifest(Path(base_dir) / "installer" / EMBEDDED_MANIFEST.name)
+
+    def _embed_release_manifest(self, dest: Path) -> None:
+        """The release fan-in builds the sdist after the wheels, naming their manifest: it ships
+        inside the sdist, so installs verify against what PyPI served."""
+        from .manifest import loads_manifest
+
+        try:
+            settings = Settings.from_env()
+            dest.unlink(missing_ok=True)
+            if settings.release_manifest is None:
+                return
+            manifest = loads_manifest(settings.release_manifest.read_text())
+        except InstallerError as exc:
+            _fail(exc)
+        version = self.distribution.get_version()
+        if manifest.version != version:
+            _fail(InstallerError(f"CUDELTA_RELEASE_MANIFEST {settings.release_manifest} is the manifest of release "
+                                 f"{manifest.version}, not of {version}; build the sdist of the same version"))
+        dest.write_text(manifest.to_json())
+        say(f"embedded the release manifest of {version} ({len(manifest.assets)} assets) in the sdist")
 
 
 def build_requirements() -> list[str]:

@@ -8,8 +8,9 @@ first (as uv's torch-backend detection does):
   interpreter: CUDELTA_TARGET_PYTHON, then the build interpreter seen by a child `python -I`
                (which drops pip's PYTHONPATH overlay), then $VIRTUAL_ENV's python when the build
                interpreter shows no torch;
-  torch CUDA:  CUDELTA_CUDA_VERSION, then torch/version.py of the interpreter above;
-  driver/GPUs: libcuda.so.1 through ctypes in this process, then nvidia-smi.
+  torch:       torch/version.py of the interpreter above, reported only (often not installed
+               yet: pip builds sdists before installing their dependencies);
+  driver/GPUs: CUDELTA_DRIVER_CUDA, then libcuda.so.1 through ctypes in this process, then nvidia-smi.
 
 torch is never imported (seconds, and it may initialise CUDA): its facts are read from files.
 Nothing here raises for an unusual machine: what cannot be seen is None plus a line in `notes`.
@@ -50,11 +51,8 @@ CUDA_ERROR_NO_DEVICE = 100
 _LIBC10_READ_LIMIT = 64 << 20
 _CXX11_MARKER = b"NSt7__cxx1112basic_string"
 
-UV_HINT = (
-    "torch is not visible to this build (uv builds in an isolated venv); matching on the driver "
-    "and GPUs only — set CUDELTA_TARGET_PYTHON=/path/to/python or CUDELTA_CUDA_VERSION=13.0 to "
-    "say which torch"
-)
+TORCH_UNSEEN = ("torch is not visible to this build (not installed yet, or outside what the build "
+                "sees); it is reported only: the prebuilt wheel is chosen without it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,13 +500,13 @@ def _select_interpreter(
     return facts, source, notes
 
 
-def _apply_cuda_override(env: TargetEnv, flavour: Optional[str]) -> TargetEnv:
-    if flavour is None:
+def _apply_driver_override(env: TargetEnv, driver_cuda: Optional[str]) -> TargetEnv:
+    if driver_cuda is None:
         return env
-    cuda = None if flavour == "cpu" else flavour
-    seen = env.torch_cuda or ("CPU" if env.torch_version else "unseen")
-    note = f"CUDA {flavour} set by CUDELTA_CUDA_VERSION (torch's own: {seen})"
-    return replace(env, torch_cuda=cuda, cuda_overridden=True, notes=env.notes + (note,))
+    seen = f"{env.driver_cuda[0]}.{env.driver_cuda[1]}" if env.driver_cuda else "none"
+    override = None if driver_cuda == "cpu" else tuple(int(x) for x in driver_cuda.split("."))
+    note = f"driver CUDA {driver_cuda} set by CUDELTA_DRIVER_CUDA (the driver seen: {seen})"
+    return replace(env, driver_cuda=override, driver_overridden=True, notes=env.notes + (note,))
 
 
 def detect(
@@ -545,11 +543,11 @@ def detect(
         notes.append(f"torch could not be located: {facts.torch_error}")
     if facts.torch_dir and torch.version is None:
         notes.append(f"torch at {facts.torch_dir} names no version (no readable version.py or metadata)")
-    elif torch.version is None and settings.cuda_flavour is None:
+    elif torch.version is None:
         if source.startswith("CUDELTA_TARGET_PYTHON"):
             notes.append(f"CUDELTA_TARGET_PYTHON {settings.target_python} has no torch installed")
         else:
-            notes.append(UV_HINT)
+            notes.append(TORCH_UNSEEN)
     notes.extend(driver.notes)
     notes.extend(n for n in (nvcc_note, cxx_note) if n)
 
@@ -572,4 +570,4 @@ def detect(
         source=source,
         notes=tuple(notes),
     )
-    return _apply_cuda_override(env, settings.cuda_flavour)
+    return _apply_driver_override(env, settings.driver_cuda)

@@ -66,7 +66,21 @@ def parse_seconds(name: str, raw: str) -> float:
     return value
 
 
-def parse_cuda_flavour(name: str, raw: str) -> str:
+def parse_kilobytes_per_second(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = -1.0
+    # `not value >= 0` also refuses nan; inf would make every download too slow.
+    if not value >= 0 or value == float("inf"):
+        raise SettingsError(
+            f"{name}={raw!r} is not accepted; expected a number of kilobytes per second >= 0 "
+            "(e.g. 32; 0 turns the check off)"
+        )
+    return value
+
+
+def parse_driver_cuda(name: str, raw: str) -> str:
     """'13.0', '130', 'cu130' -> '13.0'; 'cpu' / 'none' -> 'cpu' (pure-Python wheel)."""
     value = raw.strip().lower()
     if value in {"cpu", "none"}:
@@ -74,8 +88,8 @@ def parse_cuda_flavour(name: str, raw: str) -> str:
     m = re.fullmatch(r"(?:cu)?(\d+)\.(\d+)", value) or re.fullmatch(r"(?:cu)?(\d{2})(\d)", value)
     if not m:
         raise SettingsError(
-            f"{name}={raw!r} is not a CUDA flavour; accepted: 13.0, 130, cu130 (major.minor of "
-            "the CUDA toolkit torch was built with) or cpu"
+            f"{name}={raw!r} is not a CUDA version; accepted: 13.0, 130, cu130 (the CUDA version "
+            "the target's NVIDIA driver supports, as nvidia-smi prints it) or cpu"
         )
     return f"{int(m.group(1))}.{int(m.group(2))}"
 
@@ -121,6 +135,13 @@ def parse_existing_file(name: str, raw: str) -> Path:
     path = Path(raw.strip()).expanduser()
     if not path.is_file():
         raise SettingsError(f"{name}={raw!r} is not an existing file; expected the path of a Python interpreter")
+    return path
+
+
+def parse_manifest_file(name: str, raw: str) -> Path:
+    path = Path(raw.strip()).expanduser()
+    if not path.is_file():
+        raise SettingsError(f"{name}={raw!r} is not an existing file; expected the path of a release manifest.json")
     return path
 
 
@@ -171,10 +192,11 @@ class Settings:
         "CUDELTA_CACHE_DIR", parse=parse_path,
         doc="Download cache (default: the user cache dir, e.g. `~/.cache/cudelta`).",
     )
-    cuda_flavour: Optional[str] = _setting(
-        "CUDELTA_CUDA_VERSION", parse=parse_cuda_flavour,
-        doc="Override the detected CUDA flavour of torch (`13.0`, `130`, `cu130`, or `cpu`), "
-        "like bitsandbytes' BNB_CUDA_VERSION.",
+    driver_cuda: Optional[str] = _setting(
+        "CUDELTA_DRIVER_CUDA", "CUDELTA_CUDA_VERSION", parse=parse_driver_cuda,
+        doc="The driver CUDA version to choose a prebuilt wheel for (`12.8`, `13.0`, `cu130`), "
+        "instead of the driver this build sees (none in an image build); `cpu`: the pure-Python "
+        "wheel. `CUDELTA_CUDA_VERSION` is its old name.",
     )
     cuda_archs: Optional[tuple] = _setting(
         "CUDELTA_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST", parse=parse_arch_list,
@@ -187,8 +209,18 @@ class Settings:
     )
     target_python: Optional[Path] = _setting(
         "CUDELTA_TARGET_PYTHON", parse=parse_existing_file,
-        doc="Interpreter whose torch/CUDA to match, when the build cannot see it (e.g. uv's "
-        "build venv).",
+        doc="Interpreter the wheel is for, when the build runs under another (uv's build venv): "
+        "its Python and glibc pick the wheel's tags, its torch is reported and used by a local compile.",
+    )
+    release_manifest: Optional[Path] = _setting(
+        "CUDELTA_RELEASE_MANIFEST", parse=parse_manifest_file,
+        doc="Release fan-in only: the release's `manifest.json`, embedded into the sdist so that "
+        "installs verify downloads against what PyPI served, not against the download host.",
+    )
+    trust_downloaded_manifest: bool = _setting(
+        "CUDELTA_TRUST_DOWNLOADED_MANIFEST", parse=parse_bool, default=False,
+        doc="Verify against the `manifest.json` downloaded from CUDELTA_WHEEL_URL even when the "
+        "sdist embeds one (a private mirror of your own builds).",
     )
     http_timeout: float = _setting(
         "CUDELTA_HTTP_TIMEOUT", parse=parse_seconds, default=30.0,
@@ -197,6 +229,21 @@ class Settings:
     http_retries: int = _setting(
         "CUDELTA_HTTP_RETRIES", parse=parse_non_negative_int, default=4,
         doc="Retries on connection errors, 5xx, 429 and 403-with-Retry-After, with backoff.",
+    )
+    # 300 s: the release wheel (~1.4 MB) arrives in seconds on any working link and in under a
+    # minute at the minimum rate below; 300 s still fetches ~10 MB at that rate, and is the most
+    # an install waits before it compiles instead (retries, Retry-After waits and redirects included).
+    http_deadline: float = _setting(
+        "CUDELTA_HTTP_DEADLINE", parse=parse_seconds, default=300.0,
+        doc="Overall limit in seconds on fetching one file, retries and waits included; then the "
+        "download fails and the install compiles instead.",
+    )
+    # 32 KB/s: a fifth of a slow mobile link; a server below it (1 KB/s takes 23 min for the wheel)
+    # is stuck, not slow. Judged over a sliding 20 s window, once the body has flowed for 20 s.
+    http_min_rate: float = _setting(
+        "CUDELTA_HTTP_MIN_RATE", parse=parse_kilobytes_per_second, default=32.0,
+        doc="Minimum download rate in KB/s, over any 20 s once a body has flowed for 20 s; a slower "
+        "download fails (the install compiles instead). 0 turns the check off.",
     )
     github_token: Optional[str] = _setting(
         "GITHUB_TOKEN", parse=lambda name, raw: raw.strip() or None, secret=True,

@@ -39,12 +39,13 @@ class TargetEnv:
     abiflags: str = ""
     free_threaded: bool = False
     glibc: Optional[Tuple[int, int]] = None  # None: not glibc (musl, macOS, Windows) or unknown
+    # torch is reported, never required: pip builds an sdist before it installs its dependencies.
     torch_version: Optional[str] = None  # '2.14.1+cu130'; None: torch not visible
     torch_cuda: Optional[str] = None  # '13.0'; None: CPU/ROCm torch, or not visible
     torch_cxx11_abi: Optional[bool] = None
-    # True when torch_cuda came from CUDELTA_CUDA_VERSION rather than torch itself.
-    cuda_overridden: bool = False
     driver_cuda: Optional[Tuple[int, int]] = None  # cuDriverGetVersion 13000 -> (13, 0)
+    # True when driver_cuda came from CUDELTA_DRIVER_CUDA (None there means `cpu`).
+    driver_overridden: bool = False
     gpus: Tuple[Gpu, ...] = ()
     nvcc_version: Optional[str] = None  # '13.0'
     host_compiler: Optional[str] = None  # first line of `c++ --version`
@@ -61,16 +62,16 @@ class TargetEnv:
                  + (f" glibc {self.glibc[0]}.{self.glibc[1]}" if self.glibc else "")]
         if self.torch_version:
             cuda = f"CUDA {self.torch_cuda}" if self.torch_cuda else "no CUDA"
-            if self.cuda_overridden:
-                cuda += " by CUDELTA_CUDA_VERSION"
             abi = {True: ", cxx11 ABI", False: ", pre-cxx11 ABI", None: ""}[self.torch_cxx11_abi]
             parts.append(f"torch {self.torch_version} ({cuda}{abi})")
-        elif self.cuda_overridden:
-            parts.append(f"torch not visible, CUDA {self.torch_cuda or 'cpu'} by CUDELTA_CUDA_VERSION")
         else:
-            parts.append("torch not visible")
-        parts.append(f"driver CUDA {self.driver_cuda[0]}.{self.driver_cuda[1]}" if self.driver_cuda
-                     else "no NVIDIA driver")
+            parts.append("torch not seen (reported only, not needed to choose)")
+        if self.driver_overridden:
+            parts.append(f"driver CUDA {self.driver_cuda[0]}.{self.driver_cuda[1]} by CUDELTA_DRIVER_CUDA"
+                         if self.driver_cuda else "CUDELTA_DRIVER_CUDA=cpu")
+        else:
+            parts.append(f"driver CUDA {self.driver_cuda[0]}.{self.driver_cuda[1]}" if self.driver_cuda
+                         else "no NVIDIA driver")
         if self.gpus:
             parts.append(", ".join(f"GPU {g.index} {g.name} ({g.major}.{g.minor})" for g in self.gpus))
         else:

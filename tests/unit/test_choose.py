@@ -24,7 +24,7 @@ def asset(cuda="13.0", platform="manylinux_2_28_x86_64", version="0.1.0", archs=
     return Asset(
         name=f"cudelta-{version}+{label}-{tag}-{platform}.whl", size=1, sha256="0" * 64, cuda=cuda,
         platform=platform, archs=tuple(archs), ptx=tuple(ptx), torch_floor=torch_floor,
-        python_floor=python_floor, driver_floor=driver_floor or cuda,
+        python_floor=python_floor, driver_floor=driver_floor or f"{cuda.split('.')[0]}.0",
     )
 
 
@@ -119,21 +119,54 @@ def test_match_reason_names_everything_that_matched():
     assert choice.asset is not None and choice.asset.cuda == "13.0"
     assert not choice.pure_python
     assert choice.reason == (
-        "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl matches: torch 2.14.1+cu130 "
-        "(CUDA 13.0), driver CUDA 13.0, GPU 0 sm_90 via sm_90a cubin, manylinux_2_36_x86_64"
+        "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl matches: driver CUDA 13.0, "
+        "GPU 0 sm_90 via sm_90a cubin, manylinux_2_36_x86_64"
     )
     assert "\n" not in choice.reason
 
 
-def test_highest_toolkit_minor_not_above_torch_is_preferred():
-    m = manifest(asset("13.0"), asset("13.2"))
-    assert choose(m, target(torch_version="2.14.1+cu132", torch_cuda="13.2", driver_cuda=(13, 2)),
-                  "0.1.0").asset.cuda == "13.2"
-    assert choose(m, TARGET, "0.1.0").asset.cuda == "13.0"  # cu130 torch never takes 13.2
-    only_new = choose(manifest(asset("13.2")), TARGET, "0.1.0")
-    assert only_new.asset is None
-    assert only_new.reason == ("no prebuilt wheel for torch 2.14.1+cu130 (CUDA 13.0): "
-                               "release 0.1.0 has CUDA 13.2 only")
+# The release matrix: one build per toolkit, each running on every driver of its major.
+CU129, CU130 = asset("12.9"), asset("13.0")
+
+
+@pytest.mark.parametrize("torch_version, torch_cuda", [
+    (None, None), ("2.14.1+cu130", "13.0"), ("2.11.0+cu128", "12.8"), ("2.13.0+cpu", None), ("2.9.1+cu126", "12.6"),
+])
+def test_torch_is_not_an_input(torch_version, torch_cuda):
+    # pip builds the sdist before it installs torch; whatever torch there is, the driver decides.
+    t = target(torch_version=torch_version, torch_cuda=torch_cuda)
+    choice = choose(manifest(CU129, CU130), t, "0.1.0")
+    assert choice.asset == CU130 and not choice.pure_python
+
+
+def test_the_newest_toolkit_the_driver_runs_wins():
+    m = manifest(CU129, CU130)
+    assert choose(m, target(driver_cuda=(13, 1)), "0.1.0").asset == CU130
+    assert choose(m, target(driver_cuda=(12, 8)), "0.1.0").asset == CU129
+    assert choose(m, target(driver_cuda=(12, 2)), "0.1.0").asset == CU129  # minor-version compatibility
+
+
+def test_a_newer_toolkit_that_misses_a_gpu_gives_way_to_one_that_covers_every_gpu():
+    new = asset("13.0", archs=("sm_100f", "sm_120f"), ptx=())
+    choice = choose(manifest(CU129, new), target(gpus=(H200, Gpu(1, "B200", 10, 0))), "0.1.0")
+    assert choice.asset == CU129 and "GPU 0 sm_90 via sm_90a cubin, GPU 1 sm_100 via sm_100f cubin" in choice.reason
+
+
+def test_no_driver_takes_the_most_compatible_build_and_says_so_in_one_line():
+    t = target(torch_version=None, torch_cuda=None, driver_cuda=None, gpus=())
+    choice = choose(manifest(CU130, CU129), t, "0.1.0")
+    assert choice.asset == CU129
+    assert choice.reason.startswith("no NVIDIA driver visible, so the most compatible build")
+    assert "CUDELTA_DRIVER_CUDA" in choice.reason and "runs on drivers for CUDA >= 12.0" in choice.reason
+    assert "\n" not in choice.reason
+    # Only one build published: that one.
+    assert choose(manifest(CU130), t, "0.1.0").asset == CU130
+
+
+def test_driver_override_chooses_for_another_machine():
+    t = target(driver_cuda=(13, 0), driver_overridden=True, gpus=())
+    choice = choose(manifest(CU129, CU130), t, "0.1.0")
+    assert choice.asset == CU130 and "driver CUDA 13.0 by CUDELTA_DRIVER_CUDA" in choice.reason
 
 
 def test_several_gpus_are_grouped():
@@ -148,10 +181,17 @@ def test_ptx_covers_a_newer_gpu_by_jit():
     assert "GPU 0 sm_130 via compute_120 PTX (JIT)" in choice.reason
 
 
+def test_ptx_needs_a_driver_that_knows_the_toolkit():
+    # A 12.4 driver runs 12.9 cubins but cannot JIT 12.9 PTX.
+    future = (Gpu(0, "future", 13, 0),)
+    choice = choose(manifest(CU129), target(driver_cuda=(12, 4), gpus=future), "0.1.0")
+    assert choice.asset is None and "its PTX needs a driver for CUDA >= 12.9" in choice.reason
+    assert choose(manifest(CU129), target(driver_cuda=(12, 9), gpus=future), "0.1.0").asset == CU129
+
+
 def test_no_gpu_visible_skips_coverage_and_says_so():
-    choice = choose(manifest(), target(gpus=(), driver_cuda=None), "0.1.0")
+    choice = choose(manifest(), target(gpus=()), "0.1.0")
     assert choice.asset is not None
-    assert "driver not seen" in choice.reason
     assert "no GPU visible, the fat binary covers sm_80, sm_90a, sm_100f, sm_120f + compute_120" in choice.reason
 
 
@@ -159,55 +199,23 @@ def test_local_label_of_the_package_version_is_ignored():
     assert choose(manifest(), TARGET, "0.1.0+cu130").asset is not None
 
 
-def test_cuda_override_is_used_and_shown():
-    t = target(torch_version=None, torch_cuda="13.0", cuda_overridden=True, gpus=())
-    choice = choose(manifest(), t, "0.1.0")
-    assert choice.asset is not None
-    assert "CUDA 13.0 by CUDELTA_CUDA_VERSION (torch not visible)" in choice.reason
-
-
-def test_torch_unseen_matches_by_driver():
-    t = target(torch_version=None, torch_cuda=None, driver_cuda=(13, 1))
-    choice = choose(manifest(asset("12.8", driver_floor="12.8"), asset("13.0")), t, "0.1.0")
-    assert choice.asset.cuda == "13.0"
-    assert "driver CUDA 13.1 (torch not visible)" in choice.reason
-    old = choose(manifest(), target(torch_version=None, torch_cuda=None, driver_cuda=(12, 8)), "0.1.0")
-    assert old.asset is None
-    assert old.reason == "no prebuilt wheel for driver CUDA 12.8 (torch not visible): release 0.1.0 has CUDA 13.0 only"
-
-
-def test_nothing_seen_at_all_names_the_overrides():
-    choice = choose(manifest(), target(torch_version=None, torch_cuda=None, driver_cuda=None, gpus=()), "0.1.0")
-    assert choice.asset is None and not choice.pure_python
-    assert "CUDELTA_CUDA_VERSION" in choice.reason and "CUDELTA_TARGET_PYTHON" in choice.reason
-
-
 # --- choose: refusals ------------------------------------------------------------------------
 
 
-def test_cpu_torch_gets_pure_python():
-    choice = choose(manifest(), target(torch_version="2.14.1+cpu", torch_cuda=None), "0.1.0")
-    assert choice == Choice(None, "torch 2.14.1+cpu has no CUDA: installing the pure-Python wheel "
-                                  "(ops run the PyTorch reference path)", pure_python=True)
-    forced = choose(manifest(), target(torch_cuda=None, cuda_overridden=True), "0.1.0")
-    assert forced.pure_python and forced.reason.startswith("CUDELTA_CUDA_VERSION=cpu")
+def test_no_cuda_systems_get_pure_python():
+    forced = choose(manifest(), target(driver_cuda=None, driver_overridden=True), "0.1.0")
+    assert forced.pure_python and forced.reason.startswith("CUDELTA_DRIVER_CUDA=cpu")
     mac = choose(manifest(), target(os_name="darwin", machine="arm64", glibc=None, torch_cuda=None,
                                     driver_cuda=None, gpus=()), "0.1.0")
     assert mac.pure_python and mac.asset is None
+    win = choose(manifest(), target(os_name="windows", glibc=None), "0.1.0")
+    assert win.pure_python and win.reason.startswith("windows has no CUDA build of cudelta")
 
 
-def test_older_cuda_major_torch_has_no_match():
-    choice = choose(manifest(), target(torch_version="2.14.1+cu128", torch_cuda="12.8"), "0.1.0")
-    assert choice.asset is None and not choice.pure_python
-    assert choice.reason == ("no prebuilt wheel for torch 2.14.1+cu128 (CUDA 12.8): "
-                             "release 0.1.0 has CUDA 13.0 only")
-
-
-def test_torch_below_floor():
-    choice = choose(manifest(), target(torch_version="2.9.1+cu130"), "0.1.0")
-    assert choice.asset is None
-    assert choice.reason.startswith("torch 2.9.1+cu130 is older than 2.10, the floor of cudelta-0.1.0+cu130")
-    assert choose(manifest(), target(torch_version="2.10.0a0+git1234"), "0.1.0").asset is not None
+def test_a_cpu_arch_without_any_cuda_build_gets_pure_python():
+    choice = choose(manifest(), target(machine="ppc64le"), "0.1.0")
+    assert choice == Choice(None, "release 0.1.0 has no CUDA build for ppc64le: installing the pure-Python wheel "
+                                  "(ops run the PyTorch reference path)", pure_python=True)
 
 
 def test_driver_below_floor():
@@ -233,10 +241,10 @@ def test_old_glibc_does_not_take_manylinux_2_28():
     assert choose(manifest(), target(glibc=(2, 28)), "0.1.0").asset is not None
 
 
-def test_other_machine_has_no_wheel():
-    choice = choose(manifest(), target(machine="aarch64"), "0.1.0")
-    assert choice.reason == ("no prebuilt wheel for linux aarch64 glibc 2.36: "
-                             "release 0.1.0 has manylinux_2_28_x86_64 only")
+def test_other_machine_with_a_build_but_an_old_glibc_has_no_wheel():
+    m = manifest(asset(platform="manylinux_2_28_x86_64"), asset(platform="manylinux_2_34_aarch64"))
+    choice = choose(m, target(machine="aarch64", glibc=(2, 31)), "0.1.0")
+    assert choice.reason == "manylinux_2_34_aarch64 needs glibc >= 2.34; this system has glibc 2.31"
 
 
 def test_free_threaded_python_gets_no_abi3():
@@ -263,7 +271,7 @@ def test_other_version_is_not_taken():
 
 
 def test_closest_asset_explains():
-    # The 13.0 wheel fails only on the GPU; the 12.8 one already on CUDA: the GPU reason wins.
-    m = manifest(asset("12.8", driver_floor="12.8"), asset("13.0", archs=("sm_80",), ptx=()))
+    # The 13.0 wheel fails only on the GPU; the aarch64 one already on the platform: the GPU reason wins.
+    m = manifest(asset("12.9", platform="manylinux_2_28_aarch64"), asset("13.0", archs=("sm_80",), ptx=()))
     choice = choose(m, TARGET, "0.1.0")
     assert choice.reason.startswith("GPU 0 (compute 9.0) has no cubin or PTX in cudelta-0.1.0+cu130")

@@ -200,7 +200,7 @@ def test_run_probe_sees_the_fake_torch_without_importing_it(venvs):
 def test_detect_with_target_python_override(venvs):
     env = d.detect(Settings(target_python=venvs["target"]), environ=_env())
     assert env.torch_version == "2.14.1+cu130"
-    assert env.torch_cuda == "13.0" and env.torch_cxx11_abi is True and not env.cuda_overridden
+    assert env.torch_cuda == "13.0" and env.torch_cxx11_abi is True and not env.driver_overridden
     assert env.python_version == tuple(sys.version_info[:2]) and env.implementation == "cpython"
     assert env.executable == str(venvs["target"])
     assert env.source == f"CUDELTA_TARGET_PYTHON {venvs['target']} (child python -I)"
@@ -225,7 +225,7 @@ def test_detect_build_interpreter_without_torch_notes_it(venvs):
     env = d.detect(Settings(), executable=str(venvs["plain"]), environ=_env())
     assert env.torch_version is None and env.torch_cuda is None
     assert env.source == f"target interpreter {venvs['plain']} (child python -I)"
-    assert d.UV_HINT in env.notes
+    assert d.TORCH_UNSEEN in env.notes
 
 
 def test_detect_uses_virtual_env_when_the_build_sees_no_torch(venvs):
@@ -233,14 +233,14 @@ def test_detect_uses_virtual_env_when_the_build_sees_no_torch(venvs):
                    environ=_env(VIRTUAL_ENV=str(venvs["target_root"])))
     assert env.torch_version == "2.14.1+cu130"
     assert env.source.startswith(f"VIRTUAL_ENV {venvs['target']}")
-    assert d.UV_HINT not in env.notes
+    assert d.TORCH_UNSEEN not in env.notes
 
 
 def test_virtual_env_naming_the_build_venv_is_not_reprobed(venvs):
     # uv sets VIRTUAL_ENV to its own build venv: nothing new to see there.
     env = d.detect(Settings(), executable=str(venvs["plain"]),
                    environ=_env(VIRTUAL_ENV=str(venvs["plain"].parent.parent)))
-    assert env.torch_version is None and d.UV_HINT in env.notes
+    assert env.torch_version is None and d.TORCH_UNSEEN in env.notes
     assert env.source.startswith("target interpreter")
 
 
@@ -259,12 +259,13 @@ def test_virtual_env_of_another_python_is_not_used(venvs, tmp_path):
     assert any("Python 3.99" in n and "not used" in n for n in env.notes)
 
 
-def test_cuda_override_replaces_torch_cuda(venvs):
-    env = d.detect(Settings(target_python=venvs["target"], cuda_flavour="12.8"), environ=_env())
-    assert env.torch_cuda == "12.8" and env.cuda_overridden
-    assert any("CUDELTA_CUDA_VERSION" in n and "13.0" in n for n in env.notes)
-    cpu = d.detect(Settings(target_python=venvs["target"], cuda_flavour="cpu"), environ=_env())
-    assert cpu.torch_cuda is None and cpu.cuda_overridden
+def test_driver_override_replaces_the_driver_and_leaves_torch_alone(venvs):
+    env = d.detect(Settings(target_python=venvs["target"], driver_cuda="12.8"), environ=_env())
+    assert env.driver_cuda == (12, 8) and env.driver_overridden
+    assert env.torch_cuda == "13.0"  # reported as seen
+    assert any("CUDELTA_DRIVER_CUDA" in n for n in env.notes)
+    cpu = d.detect(Settings(target_python=venvs["target"], driver_cuda="cpu"), environ=_env())
+    assert cpu.driver_cuda is None and cpu.driver_overridden
 
 
 def test_broken_override_falls_back_with_a_note(tmp_path):

@@ -32,14 +32,15 @@ def test_release_build_implies_force_build():
 
 
 @pytest.mark.parametrize("raw", ["13.0", "130", "cu130", "CU130"])
-def test_cuda_flavour_spellings(raw):
-    assert Settings.from_env({"CUDELTA_CUDA_VERSION": raw}).cuda_flavour == "13.0"
+@pytest.mark.parametrize("name", ["CUDELTA_DRIVER_CUDA", "CUDELTA_CUDA_VERSION"])
+def test_driver_cuda_spellings_under_the_new_and_the_old_name(name, raw):
+    assert Settings.from_env({name: raw}).driver_cuda == "13.0"
 
 
-def test_cuda_flavour_cpu_and_bad_value():
-    assert Settings.from_env({"CUDELTA_CUDA_VERSION": "cpu"}).cuda_flavour == "cpu"
-    with pytest.raises(SettingsError, match="CUDELTA_CUDA_VERSION='thirteen'.*13.0, 130, cu130"):
-        Settings.from_env({"CUDELTA_CUDA_VERSION": "thirteen"})
+def test_driver_cuda_cpu_and_bad_value():
+    assert Settings.from_env({"CUDELTA_DRIVER_CUDA": "cpu"}).driver_cuda == "cpu"
+    with pytest.raises(SettingsError, match="CUDELTA_DRIVER_CUDA='thirteen'.*13.0, 130, cu130"):
+        Settings.from_env({"CUDELTA_DRIVER_CUDA": "thirteen"})
 
 
 def test_arch_list_in_torch_syntax_and_the_cudelta_name_wins():
