@@ -62,11 +62,40 @@ def source_copy(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def sdist(base_cu, source_copy, tmp_path_factory) -> Path:
+def sdist(base_cu, source_copy, release_dir, tmp_path_factory) -> Path:
+    """The sdist as the release fan-in builds it: after the wheels, carrying their manifest."""
     out = tmp_path_factory.mktemp("sdist")
+    run([base_cu.python, "-m", "build", "--sdist", "--no-isolation", "--outdir", out, source_copy],
+        env=clean_env(CUDELTA_RELEASE_MANIFEST=str(release_dir / "manifest.json")))
+    (path,) = out.glob(f"cudelta-{VERSION}.tar.gz")
+    return path
+
+
+@pytest.fixture(scope="session")
+def sdist_without_manifest(base_cu, source_copy, tmp_path_factory) -> Path:
+    """An sdist built from a plain checkout: it must trust the downloaded manifest and say so."""
+    out = tmp_path_factory.mktemp("sdist-plain")
     run([base_cu.python, "-m", "build", "--sdist", "--no-isolation", "--outdir", out, source_copy])
     (path,) = out.glob(f"cudelta-{VERSION}.tar.gz")
     return path
+
+
+@pytest.fixture(scope="session")
+def sdist_index(sdist, tmp_path_factory) -> Path:
+    """A folder holding only the sdist, as PyPI holds only the sdist: `pip install cudelta
+    --find-links <it>` finds cudelta by name there and everything else on the index."""
+    out = tmp_path_factory.mktemp("pypi")
+    shutil.copy2(sdist, out / sdist.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory) -> Path:
+    """A folder with a libcuda.so.1 that answers detection like a driver (tests/e2e/fake_libcuda.c);
+    put it on LD_LIBRARY_PATH to make the build see a driver and GPUs on this GPU-less machine."""
+    out = tmp_path_factory.mktemp("fake-driver")
+    run(["gcc", "-shared", "-fPIC", "-O1", "-o", out / "libcuda.so.1", Path(__file__).parent / "fake_libcuda.c"])
+    return out
 
 
 @pytest.fixture(scope="session")
