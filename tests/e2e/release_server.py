@@ -15,7 +15,10 @@ Releases are folders: `add_release(tag, folder)` serves `folder` (live, not copi
 any `<root>/<tag>/` folder is served as `tag` too. Every request is recorded in `.requests`
 (nothing is logged to stderr), and faults can be injected: `fail_next` (a status, e.g. 503 or
 403 + Retry-After, for the next N matching requests), `truncate` (a Content-Length larger than
-the body, then the connection closes) and `replace_bytes` (other bytes than the manifest's).
+the body, then the connection closes), `replace_bytes` (other bytes than the manifest's),
+`trickle` (the body at N bytes/s; 0: headers, then silence), `overlong` (extra bytes after the
+file, announced or close-delimited) and `redirect` (the download URL's 302 goes elsewhere, e.g.
+to plain http on another host). `bytes_sent` counts the body bytes each file really went out with.
 
     with ReleaseServer(tmp_path) as server:
         server.add_release("v0.1.0", release_dir)
@@ -45,12 +48,22 @@ DEFAULT_REPO = "cudelta/cudelta"
 # A client that stops talking (an idle keep-alive connection, a stuck test) frees its thread after this.
 CONNECTION_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
+# A trickle writes this often, so that a client's bounds are met within a fraction of a second.
+TRICKLE_TICK_S = 0.05
+# Overlong bodies go out in pieces this large, so that bytes_sent shows where the client stopped.
+OVERLONG_PIECE = 16 * 1024
 
 
 class Request(NamedTuple):
     method: str
     path: str  # as sent: quoted, with the query
     headers: Dict[str, str]
+
+
+@dataclass
+class _Overlong:
+    extra: int
+    announce: bool  # Content-Length of the longer body; else no length, the body ends at close
 
 
 @dataclass
@@ -130,6 +143,10 @@ class ReleaseServer:
         self._failures: List[_Failure] = []
         self._truncated: Set[str] = set()
         self._replaced: Dict[str, bytes] = {}
+        self._trickles: Dict[str, Tuple[float, Optional[int]]] = {}  # name -> (bytes/s, times left)
+        self._overlong: Dict[str, _Overlong] = {}
+        self._redirects: Dict[str, str] = {}
+        self._sent: Dict[str, int] = {}
         self._httpd = _HTTPServer((HOST, port), self)
         self.port: int = self._httpd.server_address[1]
         self._thread = threading.Thread(
@@ -241,11 +258,41 @@ class ReleaseServer:
         with self._lock:
             self._replaced[name] = bytes(data)
 
+    def trickle(self, name: str, bytes_per_s: float, times: Optional[int] = None) -> None:
+        """File `name` goes out at `bytes_per_s` (0: the headers, then nothing until the client
+        hangs up or the server closes), for the next `times` requests (None: from now on)."""
+        if bytes_per_s < 0 or (times is not None and times < 1):
+            raise ValueError("bytes_per_s must be >= 0 and times None or >= 1")
+        with self._lock:
+            self._trickles[name] = (float(bytes_per_s), times)
+
+    def overlong(self, name: str, extra: int, *, announce: bool = False) -> None:
+        """From now on, file `name` is followed by `extra` more bytes: with a Content-Length that
+        counts them (`announce`), or with none, the body ending when the connection closes."""
+        if extra < 1:
+            raise ValueError("extra must be >= 1")
+        with self._lock:
+            self._overlong[name] = _Overlong(extra, announce)
+
+    def redirect(self, name: str, location: str) -> None:
+        """From now on, the download URL of `name` answers 302 to `location` (any URL, e.g. plain
+        http on a host that is not this machine) instead of to the storage URL."""
+        with self._lock:
+            self._redirects[name] = location
+
+    def bytes_sent(self, name: str) -> int:
+        """Body bytes of file `name` written to clients so far (what a client made the server send)."""
+        with self._lock:
+            return self._sent.get(name, 0)
+
     def reset_faults(self) -> None:
         with self._lock:
             self._failures.clear()
             self._truncated.clear()
             self._replaced.clear()
+            self._trickles.clear()
+            self._overlong.clear()
+            self._redirects.clear()
 
     def _take_failure(self, raw_path: str, path: str) -> Optional[_Failure]:
         with self._lock:
@@ -305,6 +352,11 @@ class ReleaseServer:
         if folder is None or not (folder / name).is_file():
             self._send_text(h, 404, "Not Found\n", head)
             return
+        with self._lock:
+            redirected = self._redirects.get(name)
+        if redirected is not None:
+            self._send_text(h, 302, "", head, {"Location": redirected})
+            return
         location = (f"{self.url}/storage/{quote(tag, safe='')}/{quote(name, safe='')}"
                     f"?sig={secrets.token_hex(8)}&expires={int(time.time()) + 300}")
         self._send_text(h, 302, "", head, {"Location": location})
@@ -343,12 +395,56 @@ class ReleaseServer:
             ctype = "application/octet-stream"
         self._send_file(h, target, head, ctype)
 
+    def _take_trickle(self, name: str) -> Optional[float]:
+        with self._lock:
+            found = self._trickles.get(name)
+            if found is None:
+                return None
+            rate, times = found
+            if times is not None:
+                if times <= 1:
+                    del self._trickles[name]
+                else:
+                    self._trickles[name] = (rate, times - 1)
+            return rate
+
+    def _count_sent(self, name: str, n: int) -> None:
+        with self._lock:
+            self._sent[name] = self._sent.get(name, 0) + n
+
+    def _write_body(self, h: _Handler, name: str, data: bytes, rate: Optional[float],
+                    piece: int = 1 << 20) -> None:
+        """Write `data` (at `rate` bytes/s when given), counting what went out; a client that
+        hangs up ends it (the handler's error is recorded, as for any client that hangs up)."""
+        if rate is None:
+            for start in range(0, len(data), piece):
+                h.wfile.write(data[start:start + piece])
+                self._count_sent(name, len(data[start:start + piece]))
+            return
+        step = max(1, int(rate * TRICKLE_TICK_S)) if rate > 0 else 0
+        start = 0
+        while start < len(data) and not self._closed:
+            time.sleep(TRICKLE_TICK_S)
+            if step:
+                h.wfile.write(data[start:start + step])
+                h.wfile.flush()
+                self._count_sent(name, len(data[start:start + step]))
+                start += step
+
     def _send_file(self, h: _Handler, path: Path, head: bool, content_type: str) -> None:
         with self._lock:
             data = self._replaced.get(path.name)
             truncated = path.name in self._truncated
+            overlong = self._overlong.get(path.name)
         if data is None:
             data = path.read_bytes()
+        rate = None if head else self._take_trickle(path.name)
+        if overlong is not None:
+            # Not the file: its bytes and more (a hostile or broken mirror), e.g. 2.4 MB for 1.4 MB.
+            data = data + (b"\0" * overlong.extra)
+            if not overlong.announce:
+                self._send_close_delimited(h, path.name, data, head, content_type)
+                return
         length = len(data)
         if truncated:
             length = max(len(data), 1)
@@ -361,7 +457,18 @@ class ReleaseServer:
             h.send_header("Connection", "close")
         h.end_headers()
         if not head:
-            h.wfile.write(data)
+            self._write_body(h, path.name, data, rate, OVERLONG_PIECE if overlong else 1 << 20)
+        h.wfile.flush()
+
+    def _send_close_delimited(self, h: _Handler, name: str, data: bytes, head: bool, content_type: str) -> None:
+        # HTTP/1.1 without Content-Length: the body is whatever comes until the server closes.
+        h.close_connection = True
+        h.send_response(200)
+        h.send_header("Content-Type", content_type)
+        h.send_header("Connection", "close")
+        h.end_headers()
+        if not head:
+            self._write_body(h, name, data, None, OVERLONG_PIECE)
         h.wfile.flush()
 
     def _send_text(self, h: _Handler, status: int, text: str, head: bool,

@@ -7,10 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import requests
+import urllib3
 
 from installer.errors import FetchError, VerificationError
 from installer.fetch import PARTIAL_PREFIX, Fetcher
@@ -248,3 +250,51 @@ def test_pip_checks_the_index_digest(tmp_path, server):
     assert proc.returncode != 0
     assert "DO NOT MATCH THE HASHES" in proc.stdout + proc.stderr
     assert not (tmp_path / "dl" / NAME).exists()
+
+
+# -- fault modes: trickle, overlong bodies, redirects elsewhere -------------------------------------
+
+
+def test_trickle_sends_at_the_rate_then_the_whole_file(server, release_dir, http):
+    data = (release_dir / NAME).read_bytes()[:2000]
+    server.replace_bytes(NAME, data)
+    server.trickle(NAME, 4000, times=1)
+    started = time.monotonic()
+    response = http.get(f"{server.base_url(TAG)}/{QUOTED}", timeout=5)
+    took = time.monotonic() - started
+    assert response.content == data and 0.4 < took < 2.0  # 2000 bytes at 4000 B/s
+    started = time.monotonic()
+    assert http.get(f"{server.base_url(TAG)}/{QUOTED}", timeout=5).content == data  # times=1: back to normal
+    assert time.monotonic() - started < 0.4
+    assert server.bytes_sent(NAME) == 2 * len(data)
+
+
+def test_trickle_at_zero_sends_headers_then_nothing(server, http):
+    server.trickle(NAME, 0)
+    response = http.get(f"{server.base_url(TAG)}/{QUOTED}", timeout=(5, 0.3), stream=True)
+    assert response.status_code == 200 and int(response.headers["Content-Length"]) > 0
+    with pytest.raises(urllib3.exceptions.ReadTimeoutError):
+        response.raw.read(1)
+    response.close()
+    assert server.bytes_sent(NAME) == 0
+
+
+def test_overlong_announced_and_close_delimited(server, release_dir, http):
+    data = (release_dir / NAME).read_bytes()
+    server.overlong(NAME, 1000, announce=True)
+    response = http.get(f"{server.base_url(TAG)}/{QUOTED}", timeout=5)
+    assert int(response.headers["Content-Length"]) == len(data) + 1000
+    assert response.content[: len(data)] == data and len(response.content) == len(data) + 1000
+    server.overlong(NAME, 500)
+    response = http.get(f"{server.base_url(TAG)}/{QUOTED}", timeout=5)
+    assert "Content-Length" not in response.headers and response.headers["Connection"] == "close"
+    assert len(response.content) == len(data) + 500
+
+
+def test_redirect_elsewhere_is_what_the_302_says(server, http):
+    server.redirect(NAME, "http://example.invalid/asset.whl")
+    response = http.get(f"{server.base_url(TAG)}/{QUOTED}", allow_redirects=False, timeout=5)
+    assert response.status_code == 302 and response.headers["Location"] == "http://example.invalid/asset.whl"
+    server.reset_faults()
+    response = http.get(f"{server.base_url(TAG)}/{QUOTED}", allow_redirects=False, timeout=5)
+    assert response.headers["Location"].startswith(f"{server.url}/storage/")
