@@ -17,6 +17,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,25 +81,60 @@ void check_cuda(const char* op, const Tensor& t, const char* name, int device) {
                   " but q is on cuda:", device, "; all tensors must be on one device");
 }
 
-DType to_dtype(const char* op, ScalarType t) {
+DType float_dtype(const char* op, const char* name, ScalarType t) {
   switch (t) {
     case ScalarType::Float: return DType::kFloat32;
     case ScalarType::Half: return DType::kFloat16;
     case ScalarType::BFloat16: return DType::kBFloat16;
     default:
-      STD_TORCH_CHECK(false, op, ": q has dtype ", dtype_name(t),
-                      "; accepted: bfloat16, float16, float32");
+      STD_TORCH_CHECK(false, op, ": ", name, " has dtype ", dtype_name(t), "; accepted: bfloat16, float16, float32");
   }
   return DType::kFloat32;
 }
 
-Tensor decode(const char* op, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor idx,
-              double scale, bool use_qk_l2norm, int64_t variant, bool per_channel) {
+bool head_dim_ok(int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+// A per-request tensor of the gates: [N, HV] or [N, HV, K], innermost contiguous (a view sliced
+// out of a wider projection is fine).
+void check_gate(const char* op, const Tensor& t, const char* name, int64_t N, int64_t HV, int64_t K,
+                bool per_channel) {
+  const bool shape_ok = per_channel ? (t.dim() == 3 && t.size(0) == N && t.size(1) == HV && t.size(2) == K)
+                                    : (t.dim() == 2 && t.size(0) == N && t.size(1) == HV);
+  if (per_channel) {
+    STD_TORCH_CHECK(shape_ok, op, ": ", name, " must be per-channel [N, HV, K] = [", N, ", ", HV, ", ", K,
+                    "], got ", shape_of(t));
+  } else {
+    STD_TORCH_CHECK(shape_ok, op, ": ", name, " must be [N, HV] = [", N, ", ", HV, "], got ", shape_of(t),
+                    t.dim() == 3 ? " (per-channel gates are kda_decode)" : "");
+  }
+  STD_TORCH_CHECK(t.stride(t.dim() - 1) == 1 || t.size(t.dim() - 1) == 1, op, ": the last dim of ", name,
+                  " must be contiguous");
+  float_dtype(op, name, t.scalar_type());
+}
+
+void check_param(const char* op, const Tensor& t, const char* name, int64_t HV, int64_t K, bool per_channel) {
+  const bool shape_ok = per_channel ? (t.dim() == 2 && t.size(0) == HV && t.size(1) == K)
+                                    : (t.dim() == 1 && t.size(0) == HV);
+  STD_TORCH_CHECK(shape_ok, op, ": ", name, " must be ", per_channel ? "[HV, K] = [" : "[HV] = [", HV,
+                  per_channel ? ", " + std::to_string(K) : std::string(), "], got ", shape_of(t));
+  STD_TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  float_dtype(op, name, t.scalar_type());
+}
+
+void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
+            const std::optional<Tensor>& beta, const std::optional<Tensor>& a, const std::optional<Tensor>& b,
+            const std::optional<Tensor>& A_log, const std::optional<Tensor>& dt_bias, const Tensor& state,
+            const Tensor& idx, const Tensor& out, double scale, bool use_qk_l2norm, int64_t layout, int64_t min_slot,
+            int64_t variant, bool per_channel) {
   STD_TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor");
   const int device = q.get_device_index();
-  for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {v, "v"}, {g, "g"}, {beta, "beta"},
-                         {state, "state"}, {idx, "idx"}}) {
+  for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {v, "v"}, {state, "state"}, {idx, "idx"},
+                         {out, "out"}}) {
     check_cuda(op, t, name, device);
+  }
+  for (auto [t, name] : {std::pair<const std::optional<Tensor>&, const char*>{g, "g"}, {beta, "beta"}, {a, "a"},
+                         {b, "b"}, {A_log, "A_log"}, {dt_bias, "dt_bias"}}) {
+    if (t.has_value()) check_cuda(op, *t, name, device);
   }
   STD_TORCH_CHECK(q.dim() == 3, op, ": q must be [N, H, K], got shape ", shape_of(q));
   const int64_t N = q.size(0), H = q.size(1), K = q.size(2);
@@ -109,35 +145,41 @@ Tensor decode(const char* op, Tensor q, Tensor k, Tensor v, Tensor g, Tensor bet
   const int64_t HV = v.size(1), V = v.size(2);
   STD_TORCH_CHECK(H > 0 && HV % H == 0, op, ": v's head count HV=", HV,
                   " must be a multiple of q's head count H=", H);
-  const DType dt = to_dtype(op, q.scalar_type());
+  const DType dt = float_dtype(op, "q", q.scalar_type());
   STD_TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                   op, ": q, k, v must share one dtype; got q ", dtype_name(q.scalar_type()), ", k ",
                   dtype_name(k.scalar_type()), ", v ", dtype_name(v.scalar_type()));
   STD_TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
                   op, ": the last dim of q, k and v must be contiguous");
-  STD_TORCH_CHECK(K == 64 || K == 128, op, ": head dim K=", K,
-                  " is not supported by the CUDA kernel; accepted: 64, 128");
-  STD_TORCH_CHECK(V % 32 == 0 && V > 0, op, ": value dim V=", V, " must be a multiple of 32");
-  for (auto [t, name] : {std::pair<const Tensor&, const char*>{g, "g"}, {beta, "beta"}}) {
-    STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float, op, ": ", name, " must be float32, got ",
-                    dtype_name(t.scalar_type()));
-  }
-  STD_TORCH_CHECK(beta.dim() == 2 && beta.size(0) == N && beta.size(1) == HV && beta.is_contiguous(), op,
-                  ": beta must be a contiguous [N, HV] = [", N, ", ", HV, "] tensor, got ", shape_of(beta));
-  if (per_channel) {
-    STD_TORCH_CHECK(g.dim() == 3 && g.size(0) == N && g.size(1) == HV && g.size(2) == K && g.is_contiguous(), op,
-                    ": g must be a contiguous per-channel [N, HV, K] = [", N, ", ", HV, ", ", K,
-                    "] tensor, got ", shape_of(g));
+  STD_TORCH_CHECK(head_dim_ok(K), op, ": head dim K=", K, " is not supported; accepted: 64, 128, 256");
+  STD_TORCH_CHECK(head_dim_ok(V), op, ": head dim V=", V, " is not supported; accepted: 64, 128, 256");
+
+  // Gates: exactly one of g and the raw (a, A_log, dt_bias); exactly one of beta and b.
+  STD_TORCH_CHECK(g.has_value() != a.has_value(), op, ": pass either g or the raw gate a (with A_log, dt_bias)",
+                  g.has_value() ? ", not both" : "");
+  STD_TORCH_CHECK(beta.has_value() != b.has_value(), op, ": pass exactly one of beta and the raw b");
+  const bool gate_raw = a.has_value();
+  const Tensor& gate = gate_raw ? *a : *g;
+  check_gate(op, gate, gate_raw ? "a" : "g", N, HV, K, per_channel);
+  if (gate_raw) {
+    STD_TORCH_CHECK(A_log.has_value() && dt_bias.has_value(), op, ": the raw gate a needs A_log and dt_bias");
+    check_param(op, *A_log, "A_log", HV, K, false);
+    check_param(op, *dt_bias, "dt_bias", HV, K, per_channel);
   } else {
-    STD_TORCH_CHECK(g.dim() == 2 && g.size(0) == N && g.size(1) == HV && g.is_contiguous(), op,
-                    ": g must be a contiguous [N, HV] = [", N, ", ", HV, "] tensor, got ", shape_of(g),
-                    " (per-channel gates are kda_decode)");
+    STD_TORCH_CHECK(!A_log.has_value() && !dt_bias.has_value(), op,
+                    ": A_log and dt_bias belong to the raw gate a; with g pass neither");
   }
-  STD_TORCH_CHECK(state.scalar_type() == ScalarType::Float, op, ": state must be float32, got ",
-                  dtype_name(state.scalar_type()));
-  STD_TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == K && state.size(3) == V,
-                  op, ": state must be [P, HV, K, V] = [P, ", HV, ", ", K, ", ", V, "], got ",
-                  shape_of(state));
+  const Tensor& bt = beta.has_value() ? *beta : *b;
+  check_gate(op, bt, beta.has_value() ? "beta" : "b", N, HV, K, false);
+
+  STD_TORCH_CHECK(layout == 0 || layout == 1, op, ": layout ", layout, " does not exist; accepted: 0 (kv), 1 (vk)");
+  const bool vk = layout == 1;
+  STD_TORCH_CHECK(state.scalar_type() == ScalarType::Float || state.scalar_type() == ScalarType::BFloat16, op,
+                  ": state has dtype ", dtype_name(state.scalar_type()), "; accepted: float32, bfloat16");
+  const int64_t d2 = vk ? V : K, d3 = vk ? K : V;
+  STD_TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == d2 && state.size(3) == d3, op,
+                  ": state must be [P, HV, ", vk ? "V, K" : "K, V", "] = [P, ", HV, ", ", d2, ", ", d3,
+                  "] for layout ", vk ? "vk" : "kv", ", got ", shape_of(state));
   STD_TORCH_CHECK(state.is_contiguous(), op, ": state must be contiguous");
   STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(state.data_ptr()) % 16 == 0,
                   op, ": state must be 16-byte aligned (a view starting mid-row is not)");
@@ -145,10 +187,17 @@ Tensor decode(const char* op, Tensor q, Tensor k, Tensor v, Tensor g, Tensor bet
                   op, ": idx must be int32 or int64, got ", dtype_name(idx.scalar_type()));
   STD_TORCH_CHECK(idx.dim() == 1 && idx.size(0) == N && idx.is_contiguous(),
                   op, ": idx must be a contiguous [N] = [", N, "] tensor, got ", shape_of(idx));
+  STD_TORCH_CHECK(min_slot == 0 || min_slot == 1, op, ": min_slot ", min_slot,
+                  " is not accepted; accepted: 0 (invalid_slot='negative'), 1 ('nonpositive')");
+  STD_TORCH_CHECK(out.scalar_type() == v.scalar_type(), op, ": out must have v's dtype ",
+                  dtype_name(v.scalar_type()), ", got ", dtype_name(out.scalar_type()));
+  STD_TORCH_CHECK(out.dim() == 3 && out.size(0) == N && out.size(1) == HV && out.size(2) == V &&
+                      out.stride(2) == 1,
+                  op, ": out must be [N, HV, V] = [", N, ", ", HV, ", ", V,
+                  "] with a contiguous last dim, got ", shape_of(out));
 
   ImageInfo info{};
   const Variant chosen = select(device, variant, N * HV, &info);
-  Tensor out = torch::stable::new_empty(v, {N, HV, V});
 
   GdnDecodeParams p{};
   p.q = q.data_ptr();
@@ -161,13 +210,32 @@ Tensor decode(const char* op, Tensor q, Tensor k, Tensor v, Tensor g, Tensor bet
   p.v_stride_n = v.stride(0);
   p.v_stride_h = v.stride(1);
   p.dtype = dt;
-  p.g = static_cast<const float*>(g.data_ptr());
+  p.g = gate.data_ptr();
+  p.g_dtype = float_dtype(op, "g", gate.scalar_type());
+  p.g_stride_n = gate.stride(0);
+  p.g_stride_h = gate.stride(1);
+  p.gate_raw = gate_raw;
   p.g_per_channel = per_channel;
-  p.beta = static_cast<const float*>(beta.data_ptr());
-  p.state = static_cast<float*>(state.data_ptr());
+  if (gate_raw) {
+    p.A_log = A_log->data_ptr();
+    p.A_log_dtype = float_dtype(op, "A_log", A_log->scalar_type());
+    p.dt_bias = dt_bias->data_ptr();
+    p.dt_bias_dtype = float_dtype(op, "dt_bias", dt_bias->scalar_type());
+  }
+  p.beta = bt.data_ptr();
+  p.beta_dtype = float_dtype(op, "beta", bt.scalar_type());
+  p.beta_stride_n = bt.stride(0);
+  p.beta_stride_h = bt.stride(1);
+  p.beta_raw = !beta.has_value();
+  p.state = state.data_ptr();
+  p.state_dtype = state.scalar_type() == ScalarType::Float ? DType::kFloat32 : DType::kBFloat16;
+  p.state_vk = vk;
   p.idx = idx.data_ptr();
   p.idx_is_int64 = idx.scalar_type() == ScalarType::Long;
+  p.min_slot = min_slot;
   p.out = out.data_ptr();
+  p.out_stride_n = out.stride(0);
+  p.out_stride_h = out.stride(1);
   p.N = N;
   p.H = H;
   p.HV = HV;
@@ -184,17 +252,22 @@ Tensor decode(const char* op, Tensor q, Tensor k, Tensor v, Tensor g, Tensor bet
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
   const int err = launch_gdn_decode(p, chosen, stream);
   STD_TORCH_CHECK(err == 0, op, ": kernel launch failed: ", cuda_error_string(err));
-  return out;
 }
 
-Tensor gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor idx, double scale,
-                  bool use_qk_l2norm, int64_t variant) {
-  return decode("cudelta.gdn_decode", q, k, v, g, beta, state, idx, scale, use_qk_l2norm, variant, false);
+void gdn_decode(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optional<Tensor> beta,
+                std::optional<Tensor> a, std::optional<Tensor> b, std::optional<Tensor> A_log,
+                std::optional<Tensor> dt_bias, Tensor state, Tensor idx, Tensor out, double scale, bool use_qk_l2norm,
+                int64_t layout, int64_t min_slot, int64_t variant) {
+  decode("cudelta.gdn_decode", q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, layout,
+         min_slot, variant, false);
 }
 
-Tensor kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor idx, double scale,
-                  bool use_qk_l2norm, int64_t variant) {
-  return decode("cudelta.kda_decode", q, k, v, g, beta, state, idx, scale, use_qk_l2norm, variant, true);
+void kda_decode(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optional<Tensor> beta,
+                std::optional<Tensor> a, std::optional<Tensor> b, std::optional<Tensor> A_log,
+                std::optional<Tensor> dt_bias, Tensor state, Tensor idx, Tensor out, double scale, bool use_qk_l2norm,
+                int64_t layout, int64_t min_slot, int64_t variant) {
+  decode("cudelta.kda_decode", q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, layout,
+         min_slot, variant, true);
 }
 
 int64_t select_variant(int64_t device, int64_t requested, int64_t heads) {
@@ -218,12 +291,17 @@ std::string build_info() { return kBuildInfoJson; }
 }  // namespace cudelta
 
 STABLE_TORCH_LIBRARY(cudelta, m) {
+  // One schema for both ops. Gates: g or the raw a (with A_log, dt_bias); beta or the raw b.
+  // layout 0 = "kv" [P, HV, K, V], 1 = "vk" [P, HV, V, K]; min_slot 0 or 1 (slot 0 a null block);
+  // variant -1 = auto. The output goes to `out` (engines preallocate it; the Python API does too).
   m.def(
-      "gdn_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor idx, "
-      "float scale, bool use_qk_l2norm, int variant) -> Tensor");
+      "gdn_decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
+      "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, float scale, bool use_qk_l2norm, int layout, "
+      "int min_slot, int variant) -> ()");
   m.def(
-      "kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor idx, "
-      "float scale, bool use_qk_l2norm, int variant) -> Tensor");
+      "kda_decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
+      "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, float scale, bool use_qk_l2norm, int layout, "
+      "int min_slot, int variant) -> ()");
   m.def("select_variant(int device, int requested, int heads) -> int");
   m.def("probe(int device) -> int[]");
   m.def("build_info() -> str");

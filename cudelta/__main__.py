@@ -63,7 +63,9 @@ def smoke_test(device: str, variant: int) -> dict:
     q, k, v, g, beta, state, idx = smoke_inputs(device)
     ref_state = state.clone()
     ref_out = gdn_decode_reference(q, k, v, g, beta, ref_state, idx, use_qk_l2norm=True)
-    out = torch.ops.cudelta.gdn_decode(q, k, v, g, beta, state, idx, 128 ** -0.5, True, variant)
+    out = torch.empty_like(v)
+    torch.ops.cudelta.gdn_decode(q, k, v, g, beta, None, None, None, None, state, idx, out, 128 ** -0.5, True,
+                                 0, 0, variant)
     torch.cuda.synchronize(device)
     scale = float(ref_state.abs().max())
     state_err = float((state - ref_state).abs().max()) / scale

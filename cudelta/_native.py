@@ -140,11 +140,13 @@ def _load() -> NativeStatus:
 
 
 def _register_fake() -> None:
-    # Shapes only, so the op traces under torch.compile / FakeTensor without running the kernel.
+    # The ops write `state` and `out` in place and return nothing, so under torch.compile /
+    # FakeTensor there is nothing to compute; the signature mirrors the schema in csrc/ops.cpp.
     for op in ("cudelta::gdn_decode", "cudelta::kda_decode"):
         @torch.library.register_fake(op)
-        def _(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, variant):
-            return v.new_empty(v.shape[0], v.shape[1], v.shape[2])
+        def _(q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, layout, min_slot,
+              variant):
+            return None
 
 
 def requested_variant(environ=os.environ) -> int:

@@ -1,4 +1,8 @@
-"""Public ops: the CUDA kernel where it can run, the PyTorch reference everywhere else."""
+"""Public ops: the CUDA kernel where it can run, the PyTorch reference everywhere else.
+
+Both paths take the same options and check arguments alike (cudelta.reference.check_args and
+resolve_gates' messages), so a call that is wrong fails the same way on a CPU and on a GPU.
+"""
 
 from __future__ import annotations
 
@@ -7,80 +11,129 @@ from typing import Optional
 import torch
 
 from . import _native
-from .reference import gdn_decode_reference, kda_decode_reference
+from .reference import (
+    LAYOUTS,
+    check_args,
+    gdn_decode_reference,
+    kda_decode_reference,
+    min_valid_slot,
+)
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _native_unsupported(q, v, g, beta, state, layout) -> Optional[str]:
-    """Inputs the CUDA kernel does not take (the reference does): say which, for the notice."""
-    if layout != "kv":
-        return f"layout {layout!r} (the kernel takes 'kv')"
-    if state.dtype != torch.float32:
-        return f"state dtype {state.dtype} (the kernel takes float32)"
-    if q.shape[-1] not in (64, 128):
-        return f"K={q.shape[-1]} (the kernel takes 64 or 128)"
-    if v.shape[-1] % 32:
-        return f"V={v.shape[-1]} (the kernel takes multiples of 32)"
-    if q.dtype not in _NATIVE_DTYPES:
-        return f"dtype {q.dtype}"
-    return None
+def _check_gates(kind, q, v, g, beta, a, b, A_log, dt_bias):
+    """The same gate errors as the reference, without computing anything (this runs per call)."""
+    N, K, HV = q.shape[0], q.shape[2], v.shape[1]
+    per_channel = kind == "kda"
+    g_shape = (N, HV, K) if per_channel else (N, HV)
+    raw = (a, A_log, dt_bias)
+    if g is not None:
+        if any(x is not None for x in raw):
+            raise ValueError("pass either g or the raw gate (a, A_log, dt_bias), not both")
+        if tuple(g.shape) != g_shape:
+            hint = " (per-channel gates are KDA)" if not per_channel and g.dim() == 3 else ""
+            raise ValueError(f"{kind.upper()} g must be {list(g_shape)}; got {list(g.shape)}{hint}")
+    else:
+        if any(x is None for x in raw):
+            missing = [n for n, x in zip(("a", "A_log", "dt_bias"), raw) if x is None]
+            raise ValueError(f"no gate: pass g, or a with A_log and dt_bias (missing {', '.join(missing)})")
+        bias_shape = (HV, K) if per_channel else (HV,)
+        for name, x, want in (("a", a, g_shape), ("A_log", A_log, (HV,)), ("dt_bias", dt_bias, bias_shape)):
+            if tuple(x.shape) != want:
+                raise ValueError(f"{kind.upper()} {name} must be {list(want)}; got {list(x.shape)}")
+    if (beta is None) == (b is None):
+        raise ValueError("pass exactly one of beta (in (0, 1)) and b (raw, sigmoid applied)")
+    x = beta if beta is not None else b
+    if tuple(x.shape) != (N, HV):
+        raise ValueError(f"{'beta' if beta is not None else 'b'} must be [{N}, {HV}]; got {list(x.shape)}")
 
 
-def _decode(kind, q, k, v, g, beta, state, idx, scale, use_qk_l2norm, layout):
-    reference = gdn_decode_reference if kind == "gdn" else kda_decode_reference
+def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout, invalid_slot,
+            out):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    options = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout,
+                   invalid_slot=invalid_slot, out=out)
+    reference = gdn_decode_reference if kind == "gdn" else kda_decode_reference
     args = (q, k, v, g, beta, state, idx)
     if not q.is_cuda:
         _native.notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)")
-        return reference(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout)
+        return reference(*args, **options)
     st = _native.status()
     if not st.loaded:
         if st.path is not None:  # a library that exists but cannot run here is an error, not a slow path
             raise _native.NativeLibraryError(f"cudelta: {st.reason}")
         _native.notice_once("no-native", f"{st.reason}; CUDA tensors use the PyTorch reference (slow)")
-        return reference(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout)
-    why = _native_unsupported(q, v, g, beta, state, layout)
-    if why:
-        _native.notice_once(f"unsupported:{why}", f"{why} is not supported by the CUDA kernel; using the reference")
-        return reference(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout)
+        return reference(*args, **options)
+    if q.dtype not in _NATIVE_DTYPES:
+        _native.notice_once(f"dtype:{q.dtype}", f"q dtype {q.dtype} is not supported by the CUDA kernel; "
+                            "using the reference")
+        return reference(*args, **options)
+    check_args(q, k, v, state, idx, layout, out)
+    _check_gates(kind, q, v, g, beta, a, b, A_log, dt_bias)
+    lowest = min_valid_slot(invalid_slot)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     op = torch.ops.cudelta.gdn_decode if kind == "gdn" else torch.ops.cudelta.kda_decode
-    return op(q, k, v, g.float(), beta.float(), state, idx, scale, use_qk_l2norm, st.variant)
+    op(q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, LAYOUTS.index(layout), lowest,
+       st.variant)
+    return out
 
 
 def gdn_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    g: Optional[torch.Tensor],
+    beta: Optional[torch.Tensor],
     state: torch.Tensor,
     idx: torch.Tensor,
     *,
+    a: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     use_qk_l2norm: bool = False,
     layout: str = "kv",
+    invalid_slot: str = "negative",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One Gated DeltaNet decode step; `state[idx[n]]` is updated in place, returns o [N, HV, V].
 
-    q, k [N, H, K]; v [N, HV, V]; g (log-decay) and beta [N, HV]; state [P, HV, K, V] ("kv");
-    idx [N] int32/int64 with negative entries skipped (their output is zero).
+    q, k [N, H, K]; v [N, HV, V] (HV a multiple of H); K and V each 64, 128 or 256.
+    Gates, either precomputed: g (log-decay) and beta [N, HV]; or raw and fused into the kernel:
+    g=None with a [N, HV], A_log [HV], dt_bias [HV] (g = -exp(A_log) * softplus(a + dt_bias)),
+    and beta=None with b [N, HV] (beta = sigmoid(b)). The two halves may be mixed.
+    state: the pool, [P, HV, K, V] (layout="kv") or [P, HV, V, K] (layout="vk", vLLM's), float32 or
+    bfloat16 (math in float32). idx [N] int32/int64: a request whose slot is < 0 (or <= 0 with
+    invalid_slot="nonpositive", slot 0 being an engine's null block) or >= P gets a zero output and
+    touches no state. out: an optional preallocated [N, HV, V] buffer of v's dtype.
     """
-    return _decode("gdn", q, k, v, g, beta, state, idx, scale, use_qk_l2norm, layout)
+    return _decode("gdn", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout,
+                   invalid_slot, out)
 
 
 def kda_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    g: Optional[torch.Tensor],
+    beta: Optional[torch.Tensor],
     state: torch.Tensor,
     idx: torch.Tensor,
     *,
+    a: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     use_qk_l2norm: bool = False,
     layout: str = "kv",
+    invalid_slot: str = "negative",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One Kimi Delta Attention decode step: as gdn_decode, with a per-channel log-decay g [N, HV, K]."""
-    return _decode("kda", q, k, v, g, beta, state, idx, scale, use_qk_l2norm, layout)
+    """One Kimi Delta Attention decode step: as gdn_decode, with a per-channel log-decay g [N, HV, K],
+    or raw a [N, HV, K] with A_log [HV] and dt_bias [HV, K]."""
+    return _decode("kda", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout,
+                   invalid_slot, out)

@@ -1,25 +1,33 @@
 // Gated DeltaNet / Kimi Delta Attention decode step over a pool of recurrent states, updated in
 // place. The two differ only in the decay: one per head (GDN) or one per key channel (KDA).
 //
-// One block of 128 threads owns one (request n, value head hv) pair and a BV-column tile of its
-// [K, V] fp32 state (BV = 32, or 16 for small batches). Thread t holds columns 4*(t%CG)..+3 of
-// rows t/CG + RG*j (CG = BV/4 column groups, RG = 128/CG row groups), so a warp's float4 accesses
-// cover whole row segments, and the tiles of one head are neighbours in launch order. The step
-// is bandwidth bound (one read and one write of the state), so the variants differ only in how
-// the state tile reaches the SM; each issues it before the q/k prologue so the two overlap:
+// One block of 128 threads owns one (request n, value head hv) pair and a 32-wide tile of its
+// value columns. The step is bandwidth bound (one read and one write of the state), so every
+// option that costs no bytes is a run-time value (q/k/v dtype, raw or precomputed gates, the
+// invalid-slot rule, strides) and only what shapes the state access is a template: the layout,
+// the state dtype, K, the way the tile reaches the SM, and the per-channel decay.
 //
-//   generic  float4 loads straight into registers (any arch)
+//   layout "kv" [K, V]: thread t holds 4 columns 4*(t%8)..+3 of rows t/8 + 16 j, so a warp's
+//                       vector accesses cover whole 32-column row segments; the reduction over k
+//                       crosses warps (shuffles, then shared memory).
+//   layout "vk" [V, K]: the tile is 32 contiguous rows of K; a row belongs to 32 lanes (16 for
+//                       K=64), each holding K/32 consecutive k, so the reduction over k is a
+//                       shuffle within the warp and nothing else.
+//
+// How the tile reaches the SM (variants; each issues it before the q/k prologue so the two overlap):
+//   generic  vector loads straight into registers (any arch)
+//   sm90     the same device code, launched as thread-block clusters of one head's column tiles,
+//            co-scheduled on one GPC
 //   sm80     cp.async into shared memory in two commit groups, so the first half is reduced
 //            while the second is in flight
-//   sm90     register loads, launched as thread-block clusters of one head's column tiles, so
-//            they are co-scheduled on one GPC and read each DRAM page together
-//   sm90tma  clusters, and cp.async.bulk (the TMA engine) row copies completing on two
-//            mbarriers; the threads generate no addresses at all
-// Which one auto picks is decided by measurement (auto_variant in probe.cu): on H200, generic.
+//   sm90tma  clusters, and cp.async.bulk (the TMA engine) row copies completing on two mbarriers
+// Which one auto picks is decided by measurement (auto_variant in probe.cu).
 //
 // Both reductions of the step (pred = h'^T k and h'^T q) are done in one pass over the decayed
 // state h': with u = beta * (v - pred), the output of the updated state is
 // o = (h' + k u^T)^T q = h'^T q + u * (k . q), so the updated state never has to be re-read.
+// The state stays in registers in its storage type (bf16 halves the registers) and is widened to
+// fp32 where it is used.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,41 +41,80 @@ namespace cudelta {
 namespace {
 
 constexpr int kThreads = 128;
-// Columns per block. 16-column tiles (more, smaller blocks) measured 1.4-1.7x slower at B <= 8.
-constexpr int kWideTileV = 32;
-// Each kernel is built twice: with the registers it wants, and squeezed to eight resident blocks
-// per SM (<= 64 registers, a few spilled). At 72 registers seven fit, and a batch of 8 requests x
-// 32 heads (1024 blocks) spilled into a second, nearly empty wave (ncu: 1.11 waves): squeezed it
-// runs 13.8 us instead of 15.4, while large batches lose 3% to the spills. The launch takes the
-// squeezed build only when that saves a wave of a launch of at most two.
+constexpr int kWarps = kThreads / 32;
+// Value columns (kv) or rows (vk) per block. 16 (more, smaller blocks) measured 1.4-1.7x slower
+// at B <= 8.
+constexpr int kTileV = 32;
+// Each K <= 128 kernel is built twice: with the registers it wants, and squeezed to eight resident
+// blocks per SM (<= 64 registers). At 72 registers seven fit, and a batch of 8 requests x 32 heads
+// (1024 blocks) spilled into a second, nearly empty wave (ncu: 1.11 waves): squeezed it ran 13.8 us
+// instead of 15.4, while large batches lose 3% to the spills. The launch takes the squeezed build
+// only when that saves a wave of a launch of at most two. K = 256 holds 64 state values per thread:
+// squeezing it would spill the state itself, so it has one build.
 constexpr int kSqueezedBlocksPerSm = 8;
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+enum class Load { kRegisters, kCpAsync, kBulk };
+constexpr Load load_of(Variant v) {
+  return v == Variant::kSm80 ? Load::kCpAsync : v == Variant::kSm90Tma ? Load::kBulk : Load::kRegisters;
+}
 
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+// --- run-time dtypes: one uniform branch per element, cheaper than another set of kernels ------
+__device__ __forceinline__ float load_f(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
+    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+__device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float x) {
+  switch (t) {
+    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
+    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
+    default: static_cast<float*>(p)[i] = x; break;
+  }
+}
 
-[[maybe_unused]] __device__ __forceinline__ uint32_t smem_addr(const void* p) {
+// --- state vectors: 4 consecutive elements, 16 bytes of fp32 or 8 of bf16 ----------------------
+template <typename ST>
+struct Vec4;
+template <>
+struct Vec4<float> {
+  using Raw = float4;
+  static __device__ __forceinline__ float4 widen(float4 r) { return r; }
+  static __device__ __forceinline__ float4 narrow(float4 x) { return x; }
+};
+template <>
+struct Vec4<__nv_bfloat16> {
+  using Raw = uint2;
+  static __device__ __forceinline__ float4 widen(uint2 r) {
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+  static __device__ __forceinline__ uint2 narrow(float4 x) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(x.z, x.w);
+    uint2 r;
+    r.x = *reinterpret_cast<const uint32_t*>(&lo);
+    r.y = *reinterpret_cast<const uint32_t*>(&hi);
+    return r;
+  }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 // --- sm_80: cp.async ------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+  } else {  // .cg (L2 only) takes 16 bytes alone
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES)
+                 : "memory");
+  }
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
@@ -121,38 +168,47 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
 #endif
 }
 
-template <int CG>
-__device__ __forceinline__ float warp_sum_rows(float x) {
-  // Lanes that share a column group (lane % CG) hold different rows: fold the lane bits above.
-#pragma unroll
-  for (int o = CG; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 
+// softplus with PyTorch's threshold: linear above 20.
+__device__ __forceinline__ float softplus20(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// Log-decay of (n, hv) (channel < 0) or of one key channel: the precomputed g, or the raw gate.
+__device__ __forceinline__ float log_decay(const GdnDecodeParams& p, int64_t n, int64_t hv, int channel) {
+  const int64_t at = n * p.g_stride_n + hv * p.g_stride_h + (channel >= 0 ? channel : 0);
+  const float x = load_f(p.g, p.g_dtype, at);
+  if (!p.gate_raw) return x;
+  const float bias = load_f(p.dt_bias, p.dt_bias_dtype, channel >= 0 ? hv * p.K + channel : hv);
+  return -expf(load_f(p.A_log, p.A_log_dtype, hv)) * softplus20(x + bias);
+}
+
+__device__ __forceinline__ float load_beta(const GdnDecodeParams& p, int64_t n, int64_t hv) {
+  const float x = load_f(p.beta, p.beta_dtype, n * p.beta_stride_n + hv * p.beta_stride_h);
+  return p.beta_raw ? 1.f / (1.f + expf(-x)) : x;
+}
+
 // q and k of head h to shared memory as float, with the three dot products the step needs
-// (|q|^2, |k|^2, q.k) reduced over the block. Every thread gets the same scales back.
+// (|q|^2, |k|^2, q.k) reduced over the block. Every thread gets the same scales back. Its
+// __syncthreads also publishes whatever the block wrote to shared memory before it.
 struct QkScales {
   float q;   // multiplies raw q: l2-normalisation and the attention scale
   float k;   // multiplies raw k: l2-normalisation
   float qk;  // (k . q) after scaling, for o = h'^T q + u (k . q)
 };
 
-template <typename T, int K, int kWarps>
+template <int K>
 __device__ __forceinline__ QkScales load_qk(const GdnDecodeParams& p, int64_t n, int64_t h, float* qs, float* ks,
                                             float (*red3)[3]) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const T* qp = static_cast<const T*>(p.q) + n * p.q_stride_n + h * p.q_stride_h;
-  const T* kp = static_cast<const T*>(p.k) + n * p.k_stride_n + h * p.k_stride_h;
+  const int64_t qo = n * p.q_stride_n + h * p.q_stride_h, ko = n * p.k_stride_n + h * p.k_stride_h;
   float sqq = 0.f, skk = 0.f, sqk = 0.f;
-  for (int i = t; i < K; i += kWarps * 32) {
-    const float qv = to_float<T>(qp[i]);
-    const float kv = to_float<T>(kp[i]);
+  for (int i = t; i < K; i += kThreads) {
+    const float qv = load_f(p.q, p.dtype, qo + i);
+    const float kv = load_f(p.k, p.dtype, ko + i);
     qs[i] = qv;
     ks[i] = kv;
     sqq += qv * qv;
@@ -182,93 +238,108 @@ __device__ __forceinline__ QkScales load_qk(const GdnDecodeParams& p, int64_t n,
   return sc;
 }
 
-__device__ __forceinline__ int64_t load_slot(const GdnDecodeParams& p, int64_t n) {
-  return p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
+// Where a block works: request n, value head hv, qk head h, and its tile of V.
+struct Site {
+  int64_t n, hv, h, tile;
+  int64_t slot;
+};
+
+__device__ __forceinline__ Site site_of(const GdnDecodeParams& p) {
+  // Consecutive blocks take the tiles of one head: their interleaved rows then reach DRAM together
+  // instead of a whole grid apart.
+  const int64_t tiles = p.V / kTileV;
+  const int64_t nh = blockIdx.x / tiles;
+  Site s;
+  s.tile = blockIdx.x - nh * tiles;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as one cluster per head (sm90, sm90tma), the tile is the block's rank in its cluster;
+  // launched without, a block is a cluster of one and this changes nothing.
+  uint32_t rank, size;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
+  if (size == tiles) s.tile = rank;
+#endif
+  s.n = nh / p.HV;
+  s.hv = nh - s.n * p.HV;
+  s.h = s.hv / (p.HV / p.H);
+  s.slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[s.n] : static_cast<const int32_t*>(p.idx)[s.n];
+  return s;
 }
 
-// generic and sm80: one block per (n, hv, 32-column tile); thread t owns column group t % 8 of
-// rows t / 8 + 16 j, so each warp's float4 accesses cover four whole 128-byte rows.
-// generic and sm90 read the state tile straight into registers; sm80 and sm90tma stage it in
-// shared memory.
-constexpr bool tile_in_registers(Variant v) { return v == Variant::kGeneric || v == Variant::kSm90; }
+__device__ __forceinline__ bool slot_valid(const GdnDecodeParams& p, int64_t slot) {
+  return slot >= p.min_slot && slot < p.P;
+}
 
-template <typename T, int K, int BV, Variant VAR, int MIN_BLOCKS, bool PER_CHANNEL>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(const GdnDecodeParams p) {
-  constexpr int CG = BV / 4;           // float4 column groups
-  constexpr int RG = kThreads / CG;    // row groups
-  constexpr int R = K / RG;            // rows per thread
-  constexpr int kWarps = kThreads / 32;
+__device__ __forceinline__ int64_t out_at(const GdnDecodeParams& p, const Site& s, int64_t col) {
+  return s.n * p.out_stride_n + s.hv * p.out_stride_h + col;
+}
+
+template <Load LD>
+__device__ __forceinline__ void trap_below_arch() {
 #if defined(__CUDA_ARCH__)
   // The host never selects a variant above the image's arch; the helpers compile to nothing there.
-  if constexpr (VAR == Variant::kSm80) {
+  if constexpr (LD == Load::kCpAsync) {
     if (__CUDA_ARCH__ < 800) __trap();
   }
-  if constexpr (VAR == Variant::kSm90Tma || VAR == Variant::kSm90) {
+  if constexpr (LD == Load::kBulk) {
     if (__CUDA_ARCH__ < 900) __trap();
   }
 #endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout "kv": thread t owns column group c = t % 8 (4 columns) of rows r + 16 j.
+template <int K, typename ST, Load LD, int MIN_BLOCKS, bool PER_CHANNEL>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_kv_kernel(const GdnDecodeParams p) {
+  using V4 = Vec4<ST>;
+  using Raw = typename V4::Raw;
+  constexpr int BV = kTileV;
+  constexpr int CG = BV / 4;         // column groups
+  constexpr int RG = kThreads / CG;  // row groups
+  constexpr int R = K / RG;          // rows per thread
+  trap_below_arch<LD>();
   __shared__ float qs[K];
   __shared__ float ks[K];
   __shared__ float red3[kWarps][3];
   __shared__ float ds[PER_CHANNEL ? K : 1];
   __shared__ float red[kWarps][CG][8];
   __shared__ uint64_t bars[2];
-  extern __shared__ float4 tile[];  // sm80, sm90: [K][CG] float4
+  extern __shared__ __align__(16) unsigned char smem[];  // sm80, sm90tma: the tile, [K][CG] Raw
+  Raw* tile = reinterpret_cast<Raw*>(smem);
 
   const int t = threadIdx.x;
   const int c = t % CG;
   const int r = t / CG;
   const int lane = t & 31;
   const int warp = t >> 5;
-
-  // Consecutive blocks take the column tiles of one head: their interleaved 128-byte row
-  // segments then reach DRAM together instead of a whole grid apart.
-  const int64_t tiles = p.V / BV;
-  const int64_t nh = blockIdx.x / tiles;
-  int64_t tile_v = blockIdx.x - nh * tiles;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (VAR == Variant::kSm90 || VAR == Variant::kSm90Tma) {
-    // Launched as one cluster per head, the tile is the block's rank within its cluster.
-    uint32_t rank, size;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
-    if (size == tiles) tile_v = rank;
-  }
-#endif
-  const int64_t n = nh / p.HV;
-  const int64_t hv = nh - n * p.HV;
-  const int64_t h = hv / (p.HV / p.H);
-  const int64_t col = tile_v * BV + 4 * c;
-
-  const int64_t slot = load_slot(p, n);
-  T* out = static_cast<T*>(p.out) + nh * p.V + col;
-  if (slot < 0 || slot >= p.P) {
+  const Site site = site_of(p);
+  const int64_t col = site.tile * BV + 4 * c;
+  if (!slot_valid(p, site.slot)) {
     if (r == 0) {
 #pragma unroll
-      for (int m = 0; m < 4; ++m) out[m] = from_float<T>(0.f);
+      for (int m = 0; m < 4; ++m) store_f(p.out, p.dtype, out_at(p, site, col + m), 0.f);
     }
     return;
   }
-  float* S = p.state + (slot * p.HV + hv) * int64_t(K) * p.V + tile_v * BV;
+  ST* S = static_cast<ST*>(p.state) + (site.slot * p.HV + site.hv) * int64_t(K) * p.V + site.tile * BV;
 
-  // The state tile goes first: its loads are in flight while q and k are reduced.
-  float4 s[R] = {};
-  if constexpr (tile_in_registers(VAR)) {
+  // The state tile goes first: its loads are in flight while the gates, q and k are read.
+  Raw s[R] = {};
+  if constexpr (LD == Load::kRegisters) {
 #pragma unroll
-    for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const float4*>(S + int64_t(r + RG * j) * p.V + 4 * c);
-  } else if constexpr (VAR == Variant::kSm80) {
+    for (int j = 0; j < R; ++j) s[j] = *reinterpret_cast<const Raw*>(S + int64_t(r + RG * j) * p.V + 4 * c);
+  } else if constexpr (LD == Load::kCpAsync) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const int row = r + RG * j;
-      cp_async_16(&tile[row * CG + c], S + int64_t(row) * p.V + 4 * c);
+      cp_async<sizeof(Raw)>(&tile[row * CG + c], S + int64_t(row) * p.V + 4 * c);
       if (j == R / 2 - 1) cp_async_commit();
     }
     cp_async_commit();
   } else if (warp == 0) {
-    // sm90: warp 0 hands the TMA engine one 128-byte bulk copy per row; each half of the rows
-    // completes on its own mbarrier. The other warps first touch the barriers after load_qk's
-    // __syncthreads, which orders them after this initialisation.
-    constexpr uint32_t kHalfBytes = (K / 2) * BV * sizeof(float);
+    // Warp 0 hands the TMA engine one bulk copy per row; each half of the rows completes on its
+    // own mbarrier. The other warps first touch the barriers after load_qk's __syncthreads.
+    constexpr uint32_t kHalfBytes = (K / 2) * BV * sizeof(ST);
     if (lane == 0) {
       mbar_init(&bars[0], 1);
       mbar_init(&bars[1], 1);
@@ -278,23 +349,23 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
     }
     __syncwarp();
     for (int row = lane; row < K; row += 32) {
-      bulk_g2s(&tile[row * CG], S + int64_t(row) * p.V, BV * sizeof(float), &bars[row < K / 2 ? 0 : 1]);
+      bulk_g2s(&tile[row * CG], S + int64_t(row) * p.V, BV * sizeof(ST), &bars[row < K / 2 ? 0 : 1]);
     }
   }
 
-  const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + hv * p.v_stride_h + col;
   float vv[4];
+  const int64_t v_at = site.n * p.v_stride_n + site.hv * p.v_stride_h + col;
 #pragma unroll
-  for (int m = 0; m < 4; ++m) vv[m] = to_float<T>(vp[m]);
-  // GDN: one decay for the head, in a register. KDA: one per key channel, staged in shared
+  for (int m = 0; m < 4; ++m) vv[m] = load_f(p.v, p.dtype, v_at + m);
+  // GDN: one decay for the head, in a register. KDA: one per key channel (row), staged in shared
   // memory (load_qk's barrier publishes them). A template flag keeps GDN free of the staging,
   // which measured 14% at B=1024 when it was a run-time branch.
-  const float head_decay = PER_CHANNEL ? 1.f : __expf(p.g[nh]);
+  const float head_decay = PER_CHANNEL ? 1.f : __expf(log_decay(p, site.n, site.hv, -1));
   if constexpr (PER_CHANNEL) {
-    for (int i = t; i < K; i += kThreads) ds[i] = __expf(p.g[nh * K + i]);
+    for (int i = t; i < K; i += kThreads) ds[i] = __expf(log_decay(p, site.n, site.hv, i));
   }
-  const float beta = p.beta[nh];
-  const QkScales sc = load_qk<T, K, kWarps>(p, n, h, qs, ks, red3);
+  const float beta = load_beta(p, site.n, site.hv);
+  const QkScales sc = load_qk<K>(p, site.n, site.h, qs, ks, red3);
 
   // Decay the tile and reduce both dot products in one pass.
   float pk[4] = {0.f, 0.f, 0.f, 0.f};
@@ -302,26 +373,23 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
   auto accumulate = [&](int j) {
     const int row = r + RG * j;
     const float decay = PER_CHANNEL ? ds[row] : head_decay;
-    s[j].x *= decay;
-    s[j].y *= decay;
-    s[j].z *= decay;
-    s[j].w *= decay;
-    const float kr = ks[row], qr = qs[row];
-    pk[0] += s[j].x * kr; pk[1] += s[j].y * kr; pk[2] += s[j].z * kr; pk[3] += s[j].w * kr;
-    pq[0] += s[j].x * qr; pq[1] += s[j].y * qr; pq[2] += s[j].z * qr; pq[3] += s[j].w * qr;
+    const float4 x = V4::widen(s[j]);
+    const float kr = ks[row] * decay, qr = qs[row] * decay;
+    pk[0] += x.x * kr; pk[1] += x.y * kr; pk[2] += x.z * kr; pk[3] += x.w * kr;
+    pq[0] += x.x * qr; pq[1] += x.y * qr; pq[2] += x.z * qr; pq[3] += x.w * qr;
   };
-  if constexpr (tile_in_registers(VAR)) {
+  if constexpr (LD == Load::kRegisters) {
 #pragma unroll
     for (int j = 0; j < R; ++j) accumulate(j);
   } else {
-    // sm80: a thread reads back only what it copied itself, so its own wait_group suffices.
-    if constexpr (VAR == Variant::kSm80) cp_async_wait<1>(); else mbar_wait(&bars[0], 0);
+    // cp.async: a thread reads back only what it copied itself, so its own wait_group suffices.
+    if constexpr (LD == Load::kCpAsync) cp_async_wait<1>(); else mbar_wait(&bars[0], 0);
 #pragma unroll
     for (int j = 0; j < R / 2; ++j) {
       s[j] = tile[(r + RG * j) * CG + c];
       accumulate(j);
     }
-    if constexpr (VAR == Variant::kSm80) cp_async_wait<0>(); else mbar_wait(&bars[1], 0);
+    if constexpr (LD == Load::kCpAsync) cp_async_wait<0>(); else mbar_wait(&bars[1], 0);
 #pragma unroll
     for (int j = R / 2; j < R; ++j) {
       s[j] = tile[(r + RG * j) * CG + c];
@@ -331,8 +399,12 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
 
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
-    pk[m] = warp_sum_rows<CG>(pk[m]);
-    pq[m] = warp_sum_rows<CG>(pq[m]);
+    // Lanes that share a column group (lane % CG) hold different rows: fold the lane bits above.
+#pragma unroll
+    for (int o = CG; o < 32; o <<= 1) {
+      pk[m] += __shfl_xor_sync(0xffffffffu, pk[m], o);
+      pq[m] += __shfl_xor_sync(0xffffffffu, pq[m], o);
+    }
   }
   if (lane < CG) {
 #pragma unroll
@@ -343,7 +415,6 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
   }
   __syncthreads();
   float u[4];
-  float o[4];
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     float tk = 0.f, tq = 0.f;
@@ -353,30 +424,177 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) gdn_decode_tiled_kernel(
       tq += red[w][c][4 + m];
     }
     u[m] = beta * (vv[m] - tk * sc.k);
-    o[m] = tq * sc.q + u[m] * sc.qk;
-  }
-  if (r == 0) {
-#pragma unroll
-    for (int m = 0; m < 4; ++m) out[m] = from_float<T>(o[m]);
+    if (r == 0) store_f(p.out, p.dtype, out_at(p, site, col + m), tq * sc.q + u[m] * sc.qk);
   }
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     const int row = r + RG * j;
+    const float decay = PER_CHANNEL ? ds[row] : head_decay;
     const float kr = ks[row] * sc.k;
-    float4 x = s[j];
-    x.x += kr * u[0];
-    x.y += kr * u[1];
-    x.z += kr * u[2];
-    x.w += kr * u[3];
-    *reinterpret_cast<float4*>(S + int64_t(row) * p.V + 4 * c) = x;
+    float4 x = V4::widen(s[j]);
+    x.x = x.x * decay + kr * u[0];
+    x.y = x.y * decay + kr * u[1];
+    x.z = x.z * decay + kr * u[2];
+    x.w = x.w * decay + kr * u[3];
+    *reinterpret_cast<Raw*>(S + int64_t(row) * p.V + 4 * c) = V4::narrow(x);
   }
 }
 
-template <typename T, int K, int BV, Variant VAR, int MIN_BLOCKS>
-int launch_tile(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, size_t smem) {
-  auto kernel = p.g_per_channel ? gdn_decode_tiled_kernel<T, K, BV, VAR, MIN_BLOCKS, true>
-                                : gdn_decode_tiled_kernel<T, K, BV, VAR, MIN_BLOCKS, false>;
-  const int64_t tiles = p.V / BV;
+// ---------------------------------------------------------------------------------------------
+// Layout "vk": the block's tile is 32 contiguous rows (one per value column) of K elements. LPR
+// lanes share a row, each holding CPL consecutive 4-element chunks of it; pass j of thread t is
+// row t / LPR + RPP * j.
+template <int K, typename ST, Load LD, int MIN_BLOCKS, bool PER_CHANNEL>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_vk_kernel(const GdnDecodeParams p) {
+  using V4 = Vec4<ST>;
+  using Raw = typename V4::Raw;
+  constexpr int BV = kTileV;
+  constexpr int LPR = K / 4 < 32 ? K / 4 : 32;  // lanes per row
+  constexpr int CPL = K / 4 / LPR;              // chunks per lane in a row
+  constexpr int RPP = kThreads / LPR;           // rows per pass of the block
+  constexpr int NP = BV / RPP;                  // passes
+  constexpr int KC = K / 4;                     // chunks per row
+  trap_below_arch<LD>();
+  __shared__ float qs[K];
+  __shared__ float ks[K];
+  __shared__ float red3[kWarps][3];
+  __shared__ uint64_t bars[2];
+  extern __shared__ __align__(16) unsigned char smem[];  // sm80, sm90tma: the tile, [BV][KC] Raw
+  Raw* tile = reinterpret_cast<Raw*>(smem);
+
+  const int t = threadIdx.x;
+  const int l = t % LPR;
+  const int r = t / LPR;
+  const int lane = t & 31;
+  const int warp = t >> 5;
+  const Site site = site_of(p);
+  const int64_t row0 = site.tile * BV;
+  if (!slot_valid(p, site.slot)) {
+    if (l == 0) {
+#pragma unroll
+      for (int j = 0; j < NP; ++j) store_f(p.out, p.dtype, out_at(p, site, row0 + r + RPP * j), 0.f);
+    }
+    return;
+  }
+  ST* S = static_cast<ST*>(p.state) + ((site.slot * p.HV + site.hv) * p.V + row0) * int64_t(K);
+
+  Raw s[NP][CPL] = {};
+  if constexpr (LD == Load::kRegisters) {
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) s[j][i] = *reinterpret_cast<const Raw*>(S + (r + RPP * j) * K + 4 * (l * CPL + i));
+    }
+  } else if constexpr (LD == Load::kCpAsync) {
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) {
+        const int at = (r + RPP * j) * KC + l * CPL + i;
+        cp_async<sizeof(Raw)>(&tile[at], S + 4 * at);
+      }
+      if (j == NP / 2 - 1) cp_async_commit();
+    }
+    cp_async_commit();
+  } else if (warp == 0) {
+    // One bulk copy per row, by lane = row (BV = 32 rows); each half completes on its own mbarrier.
+    constexpr uint32_t kHalfBytes = (BV / 2) * K * sizeof(ST);
+    if (lane == 0) {
+      mbar_init(&bars[0], 1);
+      mbar_init(&bars[1], 1);
+      mbar_fence_init();
+      mbar_arrive_expect_tx(&bars[0], kHalfBytes);
+      mbar_arrive_expect_tx(&bars[1], kHalfBytes);
+    }
+    __syncwarp();
+    // Pass j covers rows RPP*j .. RPP*(j+1)-1, so the first NP/2 passes are the first BV/2 rows.
+    bulk_g2s(&tile[lane * KC], S + lane * K, K * sizeof(ST), &bars[lane < BV / 2 ? 0 : 1]);
+  }
+
+  float vv[NP];
+  const int64_t v_at = site.n * p.v_stride_n + site.hv * p.v_stride_h + row0 + r;
+#pragma unroll
+  for (int j = 0; j < NP; ++j) vv[j] = load_f(p.v, p.dtype, v_at + RPP * j);
+  // The thread's k channels are the same in every pass: their decays live in registers.
+  float decay[CPL][4];
+  if constexpr (PER_CHANNEL) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) decay[i][m] = __expf(log_decay(p, site.n, site.hv, 4 * (l * CPL + i) + m));
+    }
+  } else {
+    const float d = __expf(log_decay(p, site.n, site.hv, -1));
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) decay[i][m] = d;
+    }
+  }
+  const float beta = load_beta(p, site.n, site.hv);
+  const QkScales sc = load_qk<K>(p, site.n, site.h, qs, ks, red3);
+  float kd[CPL][4], qd[CPL][4], ku[CPL][4];  // decay folded into k and q; k scaled for the update
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int kk = 4 * (l * CPL + i) + m;
+      kd[i][m] = ks[kk] * decay[i][m];
+      qd[i][m] = qs[kk] * decay[i][m];
+      ku[i][m] = ks[kk] * sc.k;
+    }
+  }
+
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+    if constexpr (LD != Load::kRegisters) {
+      if (j == 0) {
+        if constexpr (LD == Load::kCpAsync) cp_async_wait<1>(); else mbar_wait(&bars[0], 0);
+      }
+      if (j == NP / 2) {
+        if constexpr (LD == Load::kCpAsync) cp_async_wait<0>(); else mbar_wait(&bars[1], 0);
+      }
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) s[j][i] = tile[(r + RPP * j) * KC + l * CPL + i];
+    }
+    float pk = 0.f, pq = 0.f;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const float4 x = V4::widen(s[j][i]);
+      pk += x.x * kd[i][0] + x.y * kd[i][1] + x.z * kd[i][2] + x.w * kd[i][3];
+      pq += x.x * qd[i][0] + x.y * qd[i][1] + x.z * qd[i][2] + x.w * qd[i][3];
+    }
+#pragma unroll
+    for (int o = 1; o < LPR; o <<= 1) {
+      pk += __shfl_xor_sync(0xffffffffu, pk, o);
+      pq += __shfl_xor_sync(0xffffffffu, pq, o);
+    }
+    const float u = beta * (vv[j] - pk * sc.k);
+    if (l == 0) store_f(p.out, p.dtype, out_at(p, site, row0 + r + RPP * j), pq * sc.q + u * sc.qk);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      float4 x = V4::widen(s[j][i]);
+      x.x = x.x * decay[i][0] + ku[i][0] * u;
+      x.y = x.y * decay[i][1] + ku[i][1] * u;
+      x.z = x.z * decay[i][2] + ku[i][2] * u;
+      x.w = x.w * decay[i][3] + ku[i][3] * u;
+      *reinterpret_cast<Raw*>(S + (r + RPP * j) * K + 4 * (l * CPL + i)) = V4::narrow(x);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <bool VK, int K, typename ST, Load LD, int MIN_BLOCKS, bool PER_CHANNEL>
+constexpr auto kernel_of() {
+  if constexpr (VK) return decode_vk_kernel<K, ST, LD, MIN_BLOCKS, PER_CHANNEL>;
+  else return decode_kv_kernel<K, ST, LD, MIN_BLOCKS, PER_CHANNEL>;
+}
+
+template <bool VK, int K, typename ST, Load LD, int MIN_BLOCKS>
+int launch_build(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, size_t smem) {
+  auto kernel = p.g_per_channel ? kernel_of<VK, K, ST, LD, MIN_BLOCKS, true>()
+                                : kernel_of<VK, K, ST, LD, MIN_BLOCKS, false>();
+  const int64_t tiles = p.V / kTileV;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.N * p.HV * tiles));
   cfg.blockDim = dim3(kThreads);
@@ -384,7 +602,7 @@ int launch_tile(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, siz
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   if (cluster && tiles <= 8) {
-    // sm_90 thread-block clusters: the column tiles of one head run together on one GPC.
+    // sm_90 thread-block clusters: the tiles of one head run together on one GPC.
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = static_cast<unsigned>(tiles);
     attr[0].val.clusterDim.y = 1;
@@ -395,57 +613,63 @@ int launch_tile(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, siz
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-// Resident blocks per SM of one build of the kernel on the current device (asked once).
-template <typename T, int K, int BV, Variant VAR, int MIN_BLOCKS>
+// Resident blocks per SM of one build on the current device (asked once per build and device).
+template <bool VK, int K, typename ST, Load LD, int MIN_BLOCKS>
 int resident_blocks(int device, size_t smem) {
   static int cached[64] = {};
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
   int blocks = 0;
-  // The GDN build stands for both: the KDA build differs by K floats of shared memory.
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gdn_decode_tiled_kernel<T, K, BV, VAR, MIN_BLOCKS, false>,
-                                                kThreads, smem);
+  // The GDN build stands for both: the KDA build differs by a few registers or K floats.
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel_of<VK, K, ST, LD, MIN_BLOCKS, false>(), kThreads,
+                                                smem);
   if (device >= 0 && device < 64 && blocks > 0) cached[device] = blocks;
   return blocks;
 }
 
-template <typename T, int K, Variant VAR>
-int launch_tiled(const GdnDecodeParams& p, cudaStream_t stream) {
-  constexpr int BV = kWideTileV;
-  const bool cluster = VAR == Variant::kSm90 || VAR == Variant::kSm90Tma;
-  const size_t smem = tile_in_registers(VAR) ? 0 : size_t(K) * BV * sizeof(float);
-  const int device = p.device, sms = p.sm_count;
-  const int64_t blocks = p.N * p.HV * (p.V / BV);
-  const int free_fit = resident_blocks<T, K, BV, VAR, 1>(device, smem);
-  const int squeezed_fit = resident_blocks<T, K, BV, VAR, kSqueezedBlocksPerSm>(device, smem);
-  if (sms > 0 && free_fit > 0 && squeezed_fit > free_fit) {
-    const int64_t free_waves = (blocks + int64_t(sms) * free_fit - 1) / (int64_t(sms) * free_fit);
-    const int64_t squeezed_waves = (blocks + int64_t(sms) * squeezed_fit - 1) / (int64_t(sms) * squeezed_fit);
-    // Only where the tail wave is a large share of the time: over many waves the spills cost more.
-    if (squeezed_waves < free_waves && squeezed_waves <= 2) {
-      return launch_tile<T, K, BV, VAR, kSqueezedBlocksPerSm>(p, stream, cluster, smem);
+template <bool VK, int K, typename ST, Load LD>
+int launch_load(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
+  const bool cluster = v == Variant::kSm90 || v == Variant::kSm90Tma;
+  const size_t smem = LD == Load::kRegisters ? 0 : size_t(K) * kTileV * sizeof(ST);
+  if constexpr (K <= 128) {
+    const int device = p.device, sms = p.sm_count;
+    const int64_t blocks = p.N * p.HV * (p.V / kTileV);
+    const int free_fit = resident_blocks<VK, K, ST, LD, 1>(device, smem);
+    const int squeezed_fit = resident_blocks<VK, K, ST, LD, kSqueezedBlocksPerSm>(device, smem);
+    if (sms > 0 && free_fit > 0 && squeezed_fit > free_fit) {
+      const int64_t free_waves = (blocks + int64_t(sms) * free_fit - 1) / (int64_t(sms) * free_fit);
+      const int64_t squeezed_waves = (blocks + int64_t(sms) * squeezed_fit - 1) / (int64_t(sms) * squeezed_fit);
+      // Only where the tail wave is a large share of the time: over many waves the spills cost more.
+      if (squeezed_waves < free_waves && squeezed_waves <= 2) {
+        return launch_build<VK, K, ST, LD, kSqueezedBlocksPerSm>(p, stream, cluster, smem);
+      }
     }
   }
-  return launch_tile<T, K, BV, VAR, 1>(p, stream, cluster, smem);
+  return launch_build<VK, K, ST, LD, 1>(p, stream, cluster, smem);
 }
 
-template <typename T, int K>
+template <bool VK, int K, typename ST>
 int launch_variant(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
-  switch (v) {
-    case Variant::kGeneric: return launch_tiled<T, K, Variant::kGeneric>(p, stream);
-    case Variant::kSm80: return launch_tiled<T, K, Variant::kSm80>(p, stream);
-    case Variant::kSm90Tma: return launch_tiled<T, K, Variant::kSm90Tma>(p, stream);
-    case Variant::kSm90: return launch_tiled<T, K, Variant::kSm90>(p, stream);
+  switch (load_of(v)) {
+    case Load::kRegisters: return launch_load<VK, K, ST, Load::kRegisters>(p, v, stream);
+    case Load::kCpAsync: return launch_load<VK, K, ST, Load::kCpAsync>(p, v, stream);
+    case Load::kBulk: return launch_load<VK, K, ST, Load::kBulk>(p, v, stream);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
-template <typename T>
+template <bool VK, typename ST>
 int launch_k(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
   switch (p.K) {
-    case 64: return launch_variant<T, 64>(p, v, stream);
-    case 128: return launch_variant<T, 128>(p, v, stream);
+    case 64: return launch_variant<VK, 64, ST>(p, v, stream);
+    case 128: return launch_variant<VK, 128, ST>(p, v, stream);
+    case 256: return launch_variant<VK, 256, ST>(p, v, stream);
   }
   return static_cast<int>(cudaErrorInvalidValue);
+}
+
+template <typename ST>
+int launch_layout(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
+  return p.state_vk ? launch_k<true, ST>(p, v, stream) : launch_k<false, ST>(p, v, stream);
 }
 
 }  // namespace
@@ -453,10 +677,10 @@ int launch_k(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
 int launch_gdn_decode(const GdnDecodeParams& p, Variant v, void* stream) {
   if (p.N == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
-  switch (p.dtype) {
-    case DType::kFloat32: return launch_k<float>(p, v, s);
-    case DType::kFloat16: return launch_k<__half>(p, v, s);
-    case DType::kBFloat16: return launch_k<__nv_bfloat16>(p, v, s);
+  switch (p.state_dtype) {
+    case DType::kFloat32: return launch_layout<float>(p, v, s);
+    case DType::kBFloat16: return launch_layout<__nv_bfloat16>(p, v, s);
+    default: break;
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }

@@ -22,7 +22,7 @@ int variant_min_arch(Variant v);
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 struct GdnDecodeParams {
-  // q, k [N, H, K]; v [N, HV, V]: innermost dim contiguous, strides in elements.
+  // q, k [N, H, K]; v [N, HV, V]: innermost dim contiguous, strides in elements, dtype `dtype`.
   const void* q;
   const void* k;
   const void* v;
@@ -30,13 +30,32 @@ struct GdnDecodeParams {
   int64_t k_stride_n, k_stride_h;
   int64_t v_stride_n, v_stride_h;
   DType dtype;
-  const float* g;     // log-decay, contiguous: [N, HV] (GDN) or per channel [N, HV, K] (KDA)
+  // Decay: the log-decay g, or (gate_raw) the raw a with g = -exp(A_log) * softplus(a + dt_bias).
+  // [N, HV] (GDN) or per channel [N, HV, K] (KDA, innermost contiguous); dt_bias [HV] or [HV, K].
+  const void* g;
+  DType g_dtype;
+  int64_t g_stride_n, g_stride_h;
+  bool gate_raw;
   bool g_per_channel;
-  const float* beta;  // [N, HV], contiguous
-  float* state;       // [P, HV, K, V] contiguous, updated in place
-  const void* idx;    // [N] slot of each request; < 0 or >= P: skipped, output zero
+  const void* A_log;  // [HV], contiguous (gate_raw only)
+  DType A_log_dtype;
+  const void* dt_bias;  // [HV] or [HV, K], contiguous (gate_raw only)
+  DType dt_bias_dtype;
+  // beta [N, HV] in (0, 1), or (beta_raw) b with beta = sigmoid(b).
+  const void* beta;
+  DType beta_dtype;
+  int64_t beta_stride_n, beta_stride_h;
+  bool beta_raw;
+  // State pool [P, HV, K, V] ("kv") or [P, HV, V, K] (state_vk), contiguous, float32 or bfloat16,
+  // updated in place.
+  void* state;
+  DType state_dtype;
+  bool state_vk;
+  const void* idx;  // [N] slot of each request; < min_slot or >= P: skipped, output zero
   bool idx_is_int64;
-  void* out;          // [N, HV, V] contiguous, dtype of v
+  int64_t min_slot;  // 0, or 1 where slot 0 is an engine's null block
+  void* out;         // [N, HV, V], innermost contiguous, dtype of v
+  int64_t out_stride_n, out_stride_h;
   int64_t N, H, HV, K, V, P;
   float scale;
   bool use_qk_l2norm;

@@ -1,9 +1,12 @@
-"""The PyTorch reference against a per-request, per-head loop written straight from DESIGN.md."""
+"""The PyTorch reference against a per-request, per-head float64 loop written straight from DESIGN.md."""
+
+import math
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import cudelta  # noqa: E402
 from cudelta.reference import (  # noqa: E402
     gdn_decode_reference,
     gdn_gate,
@@ -12,13 +15,32 @@ from cudelta.reference import (  # noqa: E402
 )
 
 
-def loop_reference(q, k, v, g, beta, state, idx, scale, l2norm, layout="kv"):
+def softplus20(x: float) -> float:
+    return x if x > 20 else math.log1p(math.exp(x))
+
+
+def loop_gates(g, beta, a, b, A_log, dt_bias):
+    """float64 log-decay and beta, from the precomputed or the raw form, element by element."""
+    if g is None:
+        g = torch.empty(a.shape, dtype=torch.float64)
+        for i in range(a.numel()):
+            n, hv, *kk = torch.unravel_index(torch.tensor(i), a.shape)
+            bias = dt_bias[hv, kk[0]] if kk else dt_bias[hv]
+            g.view(-1)[i] = -math.exp(float(A_log[hv])) * softplus20(float(a.reshape(-1)[i]) + float(bias))
+    if beta is None:
+        beta = 1.0 / (1.0 + torch.exp(-b.double()))
+    return g.double(), beta.double()
+
+
+def loop_reference(q, k, v, g, beta, state, idx, scale, l2norm, layout="kv", lowest=0, a=None, b=None, A_log=None,
+                   dt_bias=None):
+    g, beta = loop_gates(g, beta, a, b, A_log, dt_bias)
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     out = torch.zeros(N, HV, V, dtype=v.dtype)
     for n in range(N):
         s = int(idx[n])
-        if s < 0 or s >= state.shape[0]:
+        if s < lowest or s >= state.shape[0]:
             continue
         for hv in range(HV):
             h_ = hv // (HV // H)
@@ -30,31 +52,42 @@ def loop_reference(q, k, v, g, beta, state, idx, scale, l2norm, layout="kv"):
             h = state[s, hv].double()
             if layout == "vk":
                 h = h.T
-            gg = g[n, hv].double()
+            gg = g[n, hv]
             h = h * (torch.exp(gg)[:, None] if gg.dim() == 1 else torch.exp(gg))
-            u = beta[n, hv].double() * (v[n, hv].double() - h.T @ kk)
+            u = beta[n, hv] * (v[n, hv].double() - h.T @ kk)
             h = h + torch.outer(kk, u)
             out[n, hv] = (h.T @ qq).to(v.dtype)
             state[s, hv] = (h.T if layout == "vk" else h).to(state.dtype)
     return out
 
 
-def inputs(N=5, H=2, HV=4, K=16, V=8, P=7, kda=False, layout="kv", seed=0):
+def inputs(N=5, H=2, HV=4, K=64, V=64, P=7, kda=False, layout="kv", state_dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k = torch.randn(N, H, K, generator=gen), torch.randn(N, H, K, generator=gen)
     v = torch.randn(N, HV, V, generator=gen)
     g = -torch.rand(N, HV, K, generator=gen) if kda else -torch.rand(N, HV, generator=gen)
     beta = torch.rand(N, HV, generator=gen)
     shape = (P, HV, K, V) if layout == "kv" else (P, HV, V, K)
-    state = torch.randn(*shape, generator=gen)
+    state = (torch.randn(*shape, generator=gen) * 0.1).to(state_dtype)
     idx = torch.tensor([3, -1, 0, 6, 9][:N])  # -1 and 9 (>= P) are skipped
     return q, k, v, g, beta, state, idx
 
 
+def raw_gates(N, HV, K, kda, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(N, HV, K, generator=gen) * 3 if kda else torch.randn(N, HV, generator=gen) * 3
+    a.view(-1)[0] = 25.0  # above softplus' threshold: softplus(x) = x there
+    A_log = torch.randn(HV, generator=gen) * 0.5
+    dt_bias = torch.randn(HV, K, generator=gen) if kda else torch.randn(HV, generator=gen)
+    b = torch.randn(N, HV, generator=gen) * 2
+    return a, b, A_log, dt_bias
+
+
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("l2norm", [True, False])
-def test_gdn_matches_the_loop_and_skips_invalid_slots(layout, l2norm):
-    q, k, v, g, beta, state, idx = inputs(layout=layout)
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 64), (64, 256)])
+def test_gdn_matches_the_loop_and_skips_invalid_slots(layout, l2norm, K, V):
+    q, k, v, g, beta, state, idx = inputs(K=K, V=V, layout=layout)
     expected_state = state.clone()
     expected = loop_reference(q, k, v, g, beta, expected_state, idx, 0.25, l2norm, layout)
     out = gdn_decode_reference(q, k, v, g, beta, state, idx, scale=0.25, use_qk_l2norm=l2norm, layout=layout)
@@ -63,13 +96,73 @@ def test_gdn_matches_the_loop_and_skips_invalid_slots(layout, l2norm):
     assert torch.all(out[1] == 0) and torch.all(out[4] == 0)
 
 
-def test_kda_per_channel_decay_matches_the_loop():
-    q, k, v, g, beta, state, idx = inputs(kda=True)
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_kda_per_channel_decay_matches_the_loop(layout):
+    q, k, v, g, beta, state, idx = inputs(kda=True, layout=layout)
     expected_state = state.clone()
-    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 16 ** -0.5, True)
-    out = kda_decode_reference(q, k, v, g, beta, state, idx, use_qk_l2norm=True)
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 64 ** -0.5, True, layout)
+    out = kda_decode_reference(q, k, v, g, beta, state, idx, use_qk_l2norm=True, layout=layout)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_raw_gates_are_fused_as_the_formulas_say(kda, layout):
+    q, k, v, _g, _beta, state, idx = inputs(kda=kda, layout=layout)
+    a, b, A_log, dt_bias = raw_gates(5, 4, 64, kda)
+    expected_state = state.clone()
+    expected = loop_reference(q, k, v, None, None, expected_state, idx, 0.125, True, layout, a=a, b=b, A_log=A_log,
+                              dt_bias=dt_bias)
+    ref = kda_decode_reference if kda else gdn_decode_reference
+    out = ref(q, k, v, None, None, state, idx, a=a, b=b, A_log=A_log, dt_bias=dt_bias, scale=0.125,
+              use_qk_l2norm=True, layout=layout)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+
+
+def test_raw_and_precomputed_halves_mix():
+    q, k, v, g, _beta, state, idx = inputs()
+    _a, b, _A_log, _dt = raw_gates(5, 4, 64, False)
+    expected_state = state.clone()
+    expected = loop_reference(q, k, v, g, None, expected_state, idx, 0.125, False, b=b)
+    out = gdn_decode_reference(q, k, v, g, None, state, idx, b=b, scale=0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_bf16_state_is_read_and_written_as_bf16_with_fp32_math(layout):
+    q, k, v, g, beta, state, idx = inputs(layout=layout, state_dtype=torch.bfloat16)
+    expected_state = state.clone()
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 0.125, True, layout)
+    out = gdn_decode_reference(q, k, v, g, beta, state, idx, scale=0.125, use_qk_l2norm=True, layout=layout)
+    assert state.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # same bf16 inputs, fp32 vs fp64 math
+    # one bf16 rounding of the same value, or its neighbour where fp32 and fp64 straddle a tie
+    torch.testing.assert_close(state.float(), expected_state.float(), rtol=8e-3, atol=1e-5)
+
+
+def test_nonpositive_rule_makes_slot_0_a_null_block():
+    q, k, v, g, beta, state, idx = inputs()
+    before = state.clone()
+    expected_state = state.clone()
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 0.125, True, lowest=1)
+    out = gdn_decode_reference(q, k, v, g, beta, state, idx, scale=0.125, use_qk_l2norm=True,
+                               invalid_slot="nonpositive")
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.all(out[2] == 0)  # idx[2] == 0
+    assert torch.equal(state[0], before[0])
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+
+
+def test_out_buffer_is_written_and_returned():
+    q, k, v, g, beta, state, idx = inputs()
+    expected = gdn_decode_reference(q, k, v, g, beta, state.clone(), idx)
+    buf = torch.full_like(v, float("nan"))
+    out = gdn_decode_reference(q, k, v, g, beta, state, idx, out=buf)
+    assert out is buf
+    torch.testing.assert_close(buf, expected)  # every element written: no NaN left, zeros for skipped requests
 
 
 def test_slots_not_named_stay_bit_identical():
@@ -90,11 +183,77 @@ def test_gates_follow_the_formulas():
                                -torch.exp(A_log)[:, None] * torch.nn.functional.softplus(ak + dtk))
 
 
-def test_bad_shapes_are_named():
+@pytest.mark.parametrize("K,V,bad", [(96, 64, "K=96"), (64, 32, "V=32"), (512, 64, "K=512")])
+def test_head_dims_outside_64_128_256_are_named(K, V, bad):
+    q, k, v, g, beta, state, idx = inputs(K=K, V=V)
+    with pytest.raises(ValueError, match=f"{bad} is not supported; accepted: 64, 128, 256"):
+        gdn_decode_reference(q, k, v, g, beta, state, idx)
+    with pytest.raises(ValueError, match=f"{bad} is not supported"):
+        cudelta.gdn_decode(q, k, v, g, beta, state, idx)  # the public API says the same on any device
+
+
+def test_bad_arguments_are_named():
     q, k, v, g, beta, state, idx = inputs()
-    with pytest.raises(ValueError, match=r"state must be \[P, 4, 16, 8\]"):
+    a, b, A_log, dt_bias = raw_gates(5, 4, 64, False)
+    with pytest.raises(ValueError, match=r"state must be \[P, 4, 64, 64\]"):
         gdn_decode_reference(q, k, v, g, beta, state[:, :, :8], idx)
     with pytest.raises(ValueError, match="layout='kvx'"):
         gdn_decode_reference(q, k, v, g, beta, state, idx, layout="kvx")
     with pytest.raises(ValueError, match="KDA g must be"):
         kda_decode_reference(q, k, v, g, beta, state, idx)
+    with pytest.raises(ValueError, match="invalid_slot='zero'.*negative.*nonpositive"):
+        gdn_decode_reference(q, k, v, g, beta, state, idx, invalid_slot="zero")
+    with pytest.raises(ValueError, match="either g or the raw gate"):
+        gdn_decode_reference(q, k, v, g, beta, state, idx, a=a, A_log=A_log, dt_bias=dt_bias)
+    with pytest.raises(ValueError, match="missing dt_bias"):
+        gdn_decode_reference(q, k, v, None, beta, state, idx, a=a, A_log=A_log)
+    with pytest.raises(ValueError, match="exactly one of beta"):
+        gdn_decode_reference(q, k, v, g, beta, state, idx, b=b)
+    with pytest.raises(ValueError, match="state dtype torch.float16"):
+        gdn_decode_reference(q, k, v, g, beta, state.half(), idx)
+    with pytest.raises(ValueError, match=r"out must be a torch.float32 tensor of shape \[5, 4, 64\]"):
+        gdn_decode_reference(q, k, v, g, beta, state, idx, out=torch.empty(5, 4, 32))
+
+
+def test_the_public_api_on_cpu_takes_every_option():
+    q, k, v, _g, _beta, state, idx = inputs(layout="vk", state_dtype=torch.bfloat16)
+    a, b, A_log, dt_bias = raw_gates(5, 4, 64, False)
+    expected_state = state.clone()
+    expected = gdn_decode_reference(q, k, v, None, None, expected_state, idx, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                                    layout="vk", invalid_slot="nonpositive")
+    buf = torch.empty_like(v)
+    out = cudelta.gdn_decode(q, k, v, None, None, state, idx, a=a, b=b, A_log=A_log, dt_bias=dt_bias, layout="vk",
+                             invalid_slot="nonpositive", out=buf)
+    assert out is buf
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(state, expected_state)
+
+
+def test_the_fla_drop_in_updates_vllm_s_pool_in_place():
+    q, k, v, g, beta, state, idx = inputs(layout="vk")
+    idx = torch.tensor([3, -1, 0, 6, 2])  # vLLM: slot 0 is the null block
+    expected_state = state.clone()
+    expected = gdn_decode_reference(q, k, v, g, beta, expected_state, idx, layout="vk", invalid_slot="nonpositive",
+                                    use_qk_l2norm=True)
+    o, final = cudelta.fused_recurrent_gated_delta_rule(
+        q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], initial_state=state,
+        inplace_final_state=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
+    assert final is state and o.shape == (5, 1, 4, 64)
+    torch.testing.assert_close(o[:, 0], expected)
+    torch.testing.assert_close(state, expected_state)
+    # the varlen form: B=1, one token per sequence
+    o2, _ = cudelta.fused_recurrent_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], initial_state=state.clone(),
+        cu_seqlens=torch.arange(6), ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
+    assert o2.shape == (1, 5, 4, 64)
+
+
+def test_the_fla_drop_in_refuses_what_is_not_a_decode_step():
+    q, k, v, g, beta, state, idx = inputs(layout="vk")
+    two = lambda x: torch.stack([x, x], 1)  # noqa: E731
+    with pytest.raises(ValueError, match="T must be 1"):
+        cudelta.fused_recurrent_gated_delta_rule(two(q), two(k), two(v), two(g), two(beta), initial_state=state,
+                                                 ssm_state_indices=idx)
+    with pytest.raises(ValueError, match="inplace_final_state=False"):
+        cudelta.fused_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                                 initial_state=state, inplace_final_state=False)
