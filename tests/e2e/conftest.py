@@ -80,11 +80,14 @@ def sdist_without_manifest(base_cu, source_copy, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def sdist_index(sdist, tmp_path_factory) -> Path:
+@pytest.fixture
+def sdist_index(sdist, tmp_path) -> Path:
     """A folder holding only the sdist, as PyPI holds only the sdist: `pip install cudelta
-    --find-links <it>` finds cudelta by name there and everything else on the index."""
-    out = tmp_path_factory.mktemp("pypi")
+    --find-links <it>` finds cudelta by name there and everything else on the index. A folder per
+    test: pip caches the wheel it built from an sdist under the sdist's URL, and a cache hit
+    would skip the very build under test."""
+    out = tmp_path / "pypi"
+    out.mkdir()
     shutil.copy2(sdist, out / sdist.name)
     return out
 
