@@ -357,7 +357,7 @@ class Transfer:
         while len(self._samples) > 1 and self._samples[1][0] <= now - self.window:
             self._samples.popleft()
         if now >= self.deadline:
-            raise TransferStopped(self._deadline_words(now))
+            raise TransferStopped(self.deadline_words())
         if self.min_rate > 0 and now - self.started >= self.window and self.rate(now) < self.min_rate:
             raise TransferStopped(
                 f"too slow: {self.rate(now) / 1e3:.1f} KB/s over the last {self.window:g} s, below "
@@ -373,7 +373,7 @@ class Transfer:
             return f"{_amount(self.received)} of {_amount(self.total)} ({100 * self.received // self.total}%)"
         return _amount(self.received)
 
-    def _deadline_words(self, now: float) -> str:
+    def deadline_words(self) -> str:
         return f"not done after the {self.deadline_s:g} s limit (CUDELTA_HTTP_DEADLINE); got {self._so_far()}"
 
     def _shorten_read_timeout(self, raw: Any) -> None:
@@ -550,7 +550,7 @@ class Fetcher:
             except TransferStopped as stop:
                 raise self._fetch_error(url, stop.reason, 1) from None
             except (requests.RequestException, HTTPError) as exc:
-                raise self._fetch_error(url, self._describe(exc, deadline), 1) from None
+                raise self._fetch_error(url, self._describe(exc, deadline, transfer), 1) from None
 
     # -- assets ---------------------------------------------------------------------------------
 
@@ -687,7 +687,7 @@ class Fetcher:
                 except TransferStopped as stop:
                     raise self._fetch_error(url, stop.reason, attempt) from None
                 except (requests.RequestException, HTTPError) as exc:
-                    reason = self._describe(exc, deadline)
+                    reason = self._describe(exc, deadline, transfer)
                     if attempt == attempts or time.monotonic() >= deadline:
                         raise self._fetch_error(url, reason, attempt) from None
                     self._log(f"download of {name} failed ({reason}); retrying")
@@ -712,10 +712,10 @@ class Fetcher:
     def _deadline_words(self) -> str:
         return f"not done after the {self.settings.http_deadline:g} s limit (CUDELTA_HTTP_DEADLINE)"
 
-    def _describe(self, exc: BaseException, deadline: float) -> str:
+    def _describe(self, exc: BaseException, deadline: float, transfer: Optional[Transfer] = None) -> str:
         # A read cut short to end at the deadline is the deadline, not a slow server's timeout.
         if time.monotonic() >= deadline - 0.005:
-            return self._deadline_words()
+            return transfer.deadline_words() if transfer is not None else self._deadline_words()
         return describe_error(exc, *self.timeout)
 
     def _transfer(
