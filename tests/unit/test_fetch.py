@@ -1,4 +1,5 @@
 import hashlib
+import os
 import socket
 import threading
 import time
@@ -29,13 +30,14 @@ TOKEN = "ghp_s3cr3tT0kenValue"
 RETRIES = 2
 
 
-def make_fetcher(tmp_path, logs=None, session=None, **settings):
+def make_fetcher(tmp_path, logs=None, session=None, lock_wait=fetch.LOCK_WAIT_S, **settings):
     settings.setdefault("http_retries", RETRIES)
     return fetch.Fetcher(
         Settings(cache_dir=tmp_path / "cache", **settings),
         session=session,
         backoff_factor=0,
         log=(logs.append if logs is not None else lambda line: None),
+        lock_wait=lock_wait,
     )
 
 
@@ -501,3 +503,290 @@ def test_real_connection_refused(tmp_path):
     message = str(info.value)
     assert "could not connect" in message and f"({RETRIES + 1} attempts)" in message
     assert "<urllib3" not in message and "HTTPConnection(" not in message
+
+
+# -- redirects: no downgrade to plain http elsewhere, the token stays on github.com ------------------
+
+
+@pytest.mark.parametrize(
+    "start, location, followed",
+    [
+        (MIRROR_URL, "https://cdn.example/x.whl", True),
+        (MIRROR_URL, "http://example.invalid/x.whl", False),  # https -> http elsewhere
+        (GH_URL, "http://github.com/x.whl", False),  # https -> http on the same host is a downgrade too
+        (MIRROR_URL, "http://192.0.2.1/x.whl", False),
+        (MIRROR_URL, "http://127.0.0.1:8000/x.whl", True),  # a local mirror, tests
+        (MIRROR_URL, "http://127.8.9.10/x.whl", True),
+        (MIRROR_URL, "http://localhost/x.whl", True),
+        (MIRROR_URL, "http://[::1]:8000/x.whl", True),
+        (MIRROR_URL, "http://localhost.evil.example/x.whl", False),
+        (MIRROR_URL, "http://127.0.0.1.nip.io/x.whl", False),
+        ("http://mirror.corp/v1/x.whl", "http://mirror.corp/blobs/x.whl", True),  # the user chose plain http there
+        ("http://mirror.corp/v1/x.whl", "http://mirror.corp:8080/blobs/x.whl", False),
+        ("http://mirror.corp/v1/x.whl", "http://other.corp/x.whl", False),
+        (MIRROR_URL, "ftp://mirror.example/x.whl", False),
+        (MIRROR_URL, "file:///etc/passwd", False),
+    ],
+)
+def test_check_redirect(start, location, followed):
+    if followed:
+        fetch.check_redirect(start, location)
+    else:
+        with pytest.raises(FetchError, match="refusing the redirect"):
+            fetch.check_redirect(start, location)
+
+
+def test_redirect_to_plain_http_elsewhere_is_refused_before_any_request_there(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, status=302, headers={"Location": "http://example.invalid/x.whl"})
+    mocked.add(responses.GET, "http://example.invalid/x.whl", body=BODY)
+    with pytest.raises(FetchError) as info:
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert str(info.value) == (
+        f"refusing the redirect of {MIRROR_URL} to http://example.invalid/x.whl: http scheme on "
+        "example.invalid, not https; only https, or plain http to this machine (127.0.0.1, ::1, "
+        "localhost), is followed")
+    assert [c.request.url for c in mocked.calls] == [MIRROR_URL]
+    assert cache_entries(tmp_path) == []
+
+
+def test_a_relative_redirect_keeps_the_scheme_and_is_followed(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, status=302, headers={"Location": "/blobs/x.whl"})
+    mocked.add(responses.GET, "https://mirror.example/blobs/x.whl", body=BODY)
+    assert make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY)).read_bytes() == BODY
+
+
+def test_the_manifest_redirect_is_checked_too(tmp_path, mocked):
+    mocked.add(responses.GET, f"{GH_BASE}/manifest.json", status=301, headers={"Location": "http://evil.example/m.json"})
+    with pytest.raises(FetchError, match="refusing the redirect"):
+        make_fetcher(tmp_path).fetch_json(GH_BASE, "manifest.json")
+    assert len(mocked.calls) == 1
+
+
+@pytest.mark.parametrize("elsewhere", ["https://github.com.evil.example/x", "https://mirror.example/x",
+                                       "https://api.github.com.evil.example/x"])
+def test_token_is_not_sent_after_a_redirect_off_github(tmp_path, mocked, elsewhere):
+    mocked.add(responses.GET, GH_URL, status=302, headers={"Location": elsewhere})
+    mocked.add(responses.GET, elsewhere, body=BODY)
+    make_fetcher(tmp_path, github_token=TOKEN).fetch_asset(GH_BASE, NAME, SHA, len(BODY))
+    assert mocked.calls[0].request.headers["Authorization"] == f"Bearer {TOKEN}"
+    assert "Authorization" not in mocked.calls[1].request.headers
+
+
+# -- never past the manifest's size + 1 -----------------------------------------------------------
+
+
+class CountingRaw:
+    """A response body that counts what was read from it (read1, as urllib3 >= 2 offers)."""
+
+    def __init__(self, data: bytes, step: int = 4096, clock=None, seconds_per_read: float = 0.0):
+        self.data, self.step, self.read_bytes = data, step, 0
+        self.clock, self.seconds_per_read = clock, seconds_per_read
+
+    def read1(self, amt, decode_content=True):
+        if self.clock is not None:
+            self.clock.now += self.seconds_per_read
+        chunk = self.data[self.read_bytes:self.read_bytes + min(amt, self.step)]
+        self.read_bytes += len(chunk)
+        return chunk
+
+
+def transfer(total, limit=None, logs=None, deadline=1e9, min_rate=0.0, window=20.0):
+    return fetch.Transfer(
+        NAME, total, limit=limit, too_long=lambda: VerificationError("too long"), deadline=deadline,
+        deadline_s=300, min_rate=min_rate, window=window, read_timeout=30.0,
+        log=(logs.append if logs is not None else lambda line: None))
+
+
+def test_a_body_is_read_to_size_plus_one_and_no_further():
+    raw = CountingRaw(BODY + b"x" * 3_000_000)
+    with pytest.raises(VerificationError):
+        for _ in transfer(len(BODY), limit=len(BODY) + 1).chunks(raw):
+            pass
+    assert raw.read_bytes == len(BODY) + 1
+
+
+def test_a_body_of_the_right_size_passes_the_limit():
+    raw = CountingRaw(BODY)
+    assert b"".join(transfer(len(BODY), limit=len(BODY) + 1).chunks(raw)) == BODY
+
+
+def test_a_longer_body_is_a_verification_error_and_not_cached(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY + b"x" * 100_000, auto_calculate_content_length=False)
+    with pytest.raises(VerificationError, match=f"the server sent more; stopped reading at {len(BODY) + 1} bytes"):
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert len(mocked.calls) == 1 and cache_entries(tmp_path) == []
+
+
+def test_an_announced_longer_body_is_refused_on_its_header(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY + b"x" * 10, auto_calculate_content_length=True)
+    with pytest.raises(VerificationError, match=f"says {len(BODY)} bytes, the server announces {len(BODY) + 10} bytes"):
+        make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert cache_entries(tmp_path) == []
+
+
+def test_an_oversized_manifest_is_not_read_to_its_end(tmp_path, mocked, monkeypatch):
+    monkeypatch.setattr(fetch, "MAX_JSON_BYTES", 1000)
+    mocked.add(responses.GET, f"{GH_BASE}/manifest.json", body=b"{" + b" " * 5000 + b"}")
+    with pytest.raises(FetchError, match="is larger than 1 KB, so not a release manifest"):
+        make_fetcher(tmp_path).fetch_json(GH_BASE, "manifest.json")
+
+
+# -- deadline, minimum rate, progress (a fake clock: every read takes `seconds_per_read`) -----------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(fetch.time, "monotonic", fake)
+    return fake
+
+
+def test_a_trickle_below_the_minimum_rate_stops_once_the_window_has_passed(clock):
+    raw = CountingRaw(b"x" * 1_400_000, step=1000, clock=clock, seconds_per_read=1.0)  # 1 KB/s
+    t = transfer(1_400_000, min_rate=32_000, window=20.0)
+    with pytest.raises(fetch.TransferStopped) as info:
+        for _ in t.chunks(raw):
+            pass
+    assert clock.now - t.started == 20.0  # not 23 minutes
+    assert info.value.reason == ("too slow: 1.0 KB/s over the last 20 s, below the minimum 32 KB/s "
+                                 "(CUDELTA_HTTP_MIN_RATE); got 20 KB of 1.4 MB (1%)")
+
+
+def test_the_rate_is_judged_on_the_last_window_not_since_the_start(clock):
+    # 50 KB/s for 30 s, then 1 KB/s: the average stays above 32 KB/s for 15 s more; the window
+    # sees the stall within 4 s.
+    t = transfer(None, min_rate=32_000, window=10.0)
+    fast = CountingRaw(b"x" * 1_500_000, step=50_000, clock=clock, seconds_per_read=1.0)
+    slow = CountingRaw(b"x" * 1_000_000, step=1000, clock=clock, seconds_per_read=1.0)
+
+    class Both:
+        def read1(self, amt, decode_content=True):
+            return fast.read1(amt) or slow.read1(amt)
+
+    with pytest.raises(fetch.TransferStopped, match="too slow"):
+        for _ in t.chunks(Both()):
+            pass
+    assert 30.0 < clock.now - t.started <= 35.0
+
+
+def test_a_slow_but_sufficient_download_completes(clock):
+    raw = CountingRaw(b"x" * 400_000, step=40_000, clock=clock, seconds_per_read=1.0)  # 40 KB/s
+    assert len(b"".join(transfer(400_000, min_rate=32_000, window=5.0).chunks(raw))) == 400_000
+
+
+def test_the_deadline_stops_a_body_above_the_minimum_rate(clock):
+    raw = CountingRaw(b"x" * 10_000_000, step=40_000, clock=clock, seconds_per_read=1.0)
+    t = transfer(10_000_000, deadline=clock.now + 60, min_rate=32_000)
+    with pytest.raises(fetch.TransferStopped) as info:
+        for _ in t.chunks(raw):
+            pass
+    assert clock.now - t.started == 60.0
+    assert info.value.reason == "not done after the 300 s limit (CUDELTA_HTTP_DEADLINE); got 2.4 MB of 10.0 MB (24%)"
+
+
+def test_progress_is_a_few_lines_not_a_flood(clock):
+    raw = CountingRaw(b"x" * 1_400_000, step=1000, clock=clock, seconds_per_read=0.0625)  # 16 KB/s, 87.5 s
+    logs = []
+    assert len(b"".join(transfer(1_400_000, logs=logs).chunks(raw))) == 1_400_000
+    # The first after 3 s, then one every 10 s: 9 lines for 87.5 s, from 1400 reads.
+    assert len(logs) == 9, logs
+    assert logs[0] == f"downloading {NAME}: 48 KB of 1.4 MB (3%) at 16 KB/s, 3 s"
+    assert logs[-1] == f"downloading {NAME}: 1.3 MB of 1.4 MB (94%) at 16 KB/s, 83 s"
+
+
+def test_a_quick_download_prints_no_progress(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    logs = []
+    make_fetcher(tmp_path, logs).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert not any(line.startswith(f"downloading {NAME}: ") for line in logs)
+
+
+def test_retries_never_start_after_the_deadline(tmp_path, mocked):
+    # A Retry-After of 5 s (under the 60 s cap) would be slept, twice; the 1 s deadline forbids it.
+    mocked.add(responses.GET, MIRROR_URL, status=503, headers={"Retry-After": "5"})
+    started = time.monotonic()
+    with pytest.raises(FetchError, match="HTTP 503"):
+        make_fetcher(tmp_path, http_deadline=1.0).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert time.monotonic() - started < 1.0 and len(mocked.calls) == 1
+
+
+def test_the_retry_policy_of_a_fetch_carries_its_deadline(tmp_path):
+    retry = make_fetcher(tmp_path).retry.new(deadline=123.0)
+    assert isinstance(retry, fetch.CappedRetry) and retry.deadline == 123.0
+    assert retry.new(total=1).deadline == 123.0  # urllib3's copies keep it
+
+
+# -- the cache lock: announced, bounded, then a private download ----------------------------------
+
+
+def hold_lock(tmp_path, owner="pid 4242 on buildhost since 10:00:00"):
+    folder = tmp_path / "cache" / SHA
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / fetch.LOCK_OWNER_NAME).write_text(owner + "\n")
+    lock = fetch.filelock.FileLock(str(folder / fetch.LOCK_NAME))
+    lock.acquire(timeout=0)
+    return lock
+
+
+def test_a_held_lock_is_announced_bounded_and_bypassed(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    lock = hold_lock(tmp_path)
+    logs = []
+    try:
+        path = fetch.Fetcher(Settings(cache_dir=tmp_path / "cache", http_retries=0), backoff_factor=0,
+                             log=logs.append, lock_wait=0.2).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    finally:
+        lock.release()
+    folder = tmp_path / "cache" / SHA
+    assert logs[0] == (f"waiting up to 0.2 s for the download cache lock {folder / '.lock'}, held by pid 4242 "
+                       f"on buildhost since 10:00:00 (another install fetching {NAME})")
+    assert logs[1] == (f"{folder / '.lock'} is still held after 0.2 s; downloading {NAME} into a private "
+                       "temporary folder instead (the cache is left to the other install)")
+    assert path.read_bytes() == BODY and path.name == NAME and folder not in path.parents
+    assert cache_entries(tmp_path) == [fetch.LOCK_OWNER_NAME]  # the holder's; nothing of ours
+
+
+def test_a_private_download_that_fails_leaves_nothing(tmp_path, mocked, monkeypatch):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY + b"tampered")
+    made = []
+    real_mkdtemp = fetch.tempfile.mkdtemp
+    monkeypatch.setattr(fetch.tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(dir=tmp_path, **kw)) or made[-1])
+    lock = hold_lock(tmp_path)
+    try:
+        with pytest.raises(VerificationError):
+            make_fetcher(tmp_path, lock_wait=0.05).fetch_asset(MIRROR_BASE, NAME, SHA, None)
+    finally:
+        lock.release()
+    assert len(made) == 1 and not os.path.exists(made[0])
+
+
+def test_an_unknown_holder_is_said_so(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    lock = hold_lock(tmp_path, owner="")
+    logs = []
+    try:
+        make_fetcher(tmp_path, logs, lock_wait=0.05).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    finally:
+        lock.release()
+    assert "held by a process that did not say (another install" in logs[0]
+
+
+def test_the_lock_owner_is_recorded_while_held_and_removed_after(tmp_path, mocked):
+    seen = []
+
+    def body(request):
+        seen.append((tmp_path / "cache" / SHA / fetch.LOCK_OWNER_NAME).read_text())
+        return (200, {}, BODY)
+
+    mocked.add_callback(responses.GET, MIRROR_URL, callback=body)
+    make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    assert seen and seen[0].startswith(f"pid {os.getpid()} on {socket.gethostname()} since ")
+    assert cache_entries(tmp_path) == [NAME]

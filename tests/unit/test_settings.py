@@ -76,3 +76,24 @@ def test_every_setting_is_documented_in_the_readme_table():
     for names, _default, _doc in documented_variables():
         for name in names.split(" / "):
             assert re.search(rf"^\| [^|]*`{name}`", text, re.M), f"{name} missing from README's table"
+
+
+def test_download_bounds_defaults_and_values():
+    s = Settings.from_env({})
+    assert (s.http_deadline, s.http_min_rate) == (300.0, 32.0)
+    s = Settings.from_env({"CUDELTA_HTTP_DEADLINE": "45.5", "CUDELTA_HTTP_MIN_RATE": "0"})
+    assert (s.http_deadline, s.http_min_rate) == (45.5, 0.0)  # 0: no rate check
+
+
+@pytest.mark.parametrize("name,raw,accepted", [
+    ("CUDELTA_HTTP_DEADLINE", "0", "a number of seconds > 0"),
+    ("CUDELTA_HTTP_DEADLINE", "5min", "a number of seconds > 0"),
+    ("CUDELTA_HTTP_MIN_RATE", "-1", "a number of kilobytes per second >= 0 (e.g. 32; 0 turns the check off)"),
+    ("CUDELTA_HTTP_MIN_RATE", "32KB/s", "a number of kilobytes per second >= 0"),
+    ("CUDELTA_HTTP_MIN_RATE", "nan", "a number of kilobytes per second >= 0"),
+    ("CUDELTA_HTTP_MIN_RATE", "inf", "a number of kilobytes per second >= 0"),
+])
+def test_bad_download_bounds_name_the_variable_the_value_and_what_is_accepted(name, raw, accepted):
+    with pytest.raises(SettingsError) as err:
+        Settings.from_env({name: raw})
+    assert f"{name}={raw!r} is not accepted; expected {accepted}" in str(err.value)
