@@ -226,7 +226,7 @@ def wait_for_lock_owner(tmp_path: Path, child: subprocess.Popen) -> str:
 
 
 def test_a_lock_held_too_long_is_announced_then_bypassed_with_a_private_download(tmp_path, server):
-    server.trickle(NAME, 100_000, times=1)  # the child's download: 3 s, holding the lock
+    server.trickle(NAME, 150_000, times=1)  # the child's download: 2 s, holding the lock
     child = start_child(tmp_path, server)
     try:
         owner = wait_for_lock_owner(tmp_path, child)
