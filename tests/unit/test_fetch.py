@@ -790,3 +790,10 @@ def test_the_lock_owner_is_recorded_while_held_and_removed_after(tmp_path, mocke
     make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
     assert seen and seen[0].startswith(f"pid {os.getpid()} on {socket.gethostname()} since ")
     assert cache_entries(tmp_path) == [NAME]
+
+
+def test_the_settings_docs_state_the_window_the_fetcher_uses():
+    import dataclasses
+
+    docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(Settings)}
+    assert f"over any {fetch.RATE_WINDOW_S:g} s once a body has flowed for {fetch.RATE_WINDOW_S:g} s" in docs["http_min_rate"]
