@@ -304,7 +304,9 @@ class Transfer:
     - past `limit` bytes, `too_long()` is raised: the body is never read further;
     - past `deadline` (time.monotonic()), or below `min_rate` bytes/s over the last `window`
       seconds once the body has flowed for `window` seconds, TransferStopped is raised;
-    - a silent server is cut off by the read timeout, shortened to what is left of the deadline.
+    - a server that sends nothing at all is cut off by the socket's read timeout, shortened to
+      what is left of the deadline and, with a minimum rate, to `window` seconds of silence (a
+      rate of 0): TransferStopped too, never the slow path of read timeouts and retries.
     """
 
     def __init__(
@@ -329,6 +331,7 @@ class Transfer:
         self.log, self.progress_after, self.progress_every = log, progress_after, progress_every
         self.started = time.monotonic()
         self.received = 0
+        self._last_data = self.started
         self._next_progress = self.started + progress_after
         # (time, bytes so far): the first entry is the newest one at least `window` old.
         self._samples: deque[tuple[float, int]] = deque([(self.started, 0)])
@@ -336,11 +339,11 @@ class Transfer:
     def chunks(self, raw: Any) -> Iterator[bytes]:
         read = getattr(raw, "read1", None) or raw.read  # read1: urllib3 >= 2
         while True:
-            self._shorten_read_timeout(raw)
             want = READ_SIZE if self.limit is None else min(READ_SIZE, self.limit - self.received)
-            chunk = read(want, decode_content=True)
+            chunk = self._read(raw, read, want)
             if not chunk:
                 return
+            self._last_data = time.monotonic()
             self.received += len(chunk)
             if self.limit is not None and self.received >= self.limit:
                 raise self.too_long()
@@ -376,13 +379,30 @@ class Transfer:
     def deadline_words(self) -> str:
         return f"not done after the {self.deadline_s:g} s limit (CUDELTA_HTTP_DEADLINE); got {self._so_far()}"
 
-    def _shorten_read_timeout(self, raw: Any) -> None:
-        # A server that stops sending would otherwise keep us past the deadline by a read timeout.
-        left = self.deadline - time.monotonic()
+    def silence_words(self) -> str:
+        return (f"too slow: nothing for {self.window:g} s, below the minimum {self.min_rate / 1e3:g} KB/s "
+                f"(CUDELTA_HTTP_MIN_RATE); got {self._so_far()}")
+
+    def _read(self, raw: Any, read: Callable[..., bytes], want: int) -> bytes:
         sock = _socket_of(raw)
-        if sock is not None and left < self.read_timeout:
+        if sock is not None:
+            # A server that stops sending would otherwise hold us a whole read timeout past the
+            # deadline, and then be retried: wait only as long as the bounds allow.
+            now = time.monotonic()
+            wait = min(self.read_timeout, self.deadline - now)
+            if self.min_rate > 0:
+                wait = min(wait, self._last_data + self.window - now)
             with suppress(OSError):
-                sock.settimeout(max(left, 0.01))
+                sock.settimeout(max(wait, 0.01))
+        try:
+            return read(want, decode_content=True)
+        except ReadTimeoutError:
+            now = time.monotonic()
+            if now >= self.deadline - 0.005:
+                raise TransferStopped(self.deadline_words()) from None
+            if self.min_rate > 0 and now - self._last_data >= self.window - 0.005:
+                raise TransferStopped(self.silence_words()) from None
+            raise
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:

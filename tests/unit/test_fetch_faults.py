@@ -124,11 +124,21 @@ def test_trickle_below_the_minimum_rate_ends_after_the_window(tmp_path, server):
 def test_a_silent_server_ends_at_the_deadline_not_after_the_read_timeout(tmp_path, server):
     server.trickle(NAME, 0)  # headers, then nothing
     logs: List[str] = []
-    fetcher = make_fetcher(tmp_path, logs, http_deadline=1.5, http_timeout=30.0, http_min_rate=32)
+    fetcher = make_fetcher(tmp_path, logs, http_deadline=1.5, http_timeout=30.0, http_min_rate=0)
     error, took = fails(FetchError, lambda: fetcher.fetch_asset(server.base_url(TAG), NAME, SHA, SIZE))
-    assert "not done after the 1.5 s limit" in str(error)
+    assert "not done after the 1.5 s limit (CUDELTA_HTTP_DEADLINE); got 0 KB of 300 KB (0%) (1 attempt)" in str(error)
     assert 1.5 <= took < 2.5
     assert cache_files(tmp_path) == []
+
+
+def test_a_silent_server_is_too_slow_after_the_window_and_not_retried(tmp_path, server):
+    server.trickle(NAME, 0)
+    fetcher = make_fetcher(tmp_path, [], http_deadline=10.0, http_timeout=30.0, http_min_rate=32, http_retries=3)
+    error, took = fails(FetchError, lambda: fetcher.fetch_asset(server.base_url(TAG), NAME, SHA, SIZE))
+    assert ("too slow: nothing for 1 s, below the minimum 32 KB/s (CUDELTA_HTTP_MIN_RATE); got 0 KB of 300 KB "
+            "(0%) (1 attempt)") in str(error)
+    assert 1.0 <= took < 2.0
+    assert server.paths().count(f"/storage/{TAG}/{NAME}") == 1
 
 
 def test_slow_but_above_the_minimum_completes_and_shows_progress(tmp_path, server):
