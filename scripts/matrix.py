@@ -4,6 +4,8 @@
     python scripts/matrix.py                 # {"include": [cell, ...]} as JSON on stdout
     python scripts/matrix.py --github-output # also `matrix=<json>` into $GITHUB_OUTPUT
     python scripts/matrix.py --cell 13.0 x86_64   # one cell, e.g. for scripts/build_cell.py
+    python scripts/matrix.py --tag v0.1.0 --github-output   # also version=0.1.0, after checking that
+                                                            # the tag is pyproject.toml's version
 
 release.yml's `plan` job runs this and feeds `fromJSON(needs.plan.outputs.matrix)` to the build
 job, so adding a CUDA version or an arch is an edit here (and RELEASING.md says what else).
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 CUDA_VERSIONS = ("12.9", "13.0")
@@ -67,13 +71,24 @@ def matrix() -> Dict[str, List[Dict[str, str]]]:
     return {"include": cells()}
 
 
+def tag_version(tag: str, pyproject: Path = Path(__file__).resolve().parents[1] / "pyproject.toml") -> str:
+    """'v0.1.0' -> '0.1.0', if pyproject.toml says version 0.1.0 (a tag must release what it names)."""
+    m = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M)
+    version = m.group(1) if m else None
+    if tag != f"v{version}":
+        raise ValueError(f"tag {tag} does not name pyproject.toml's version {version} (expected v{version})")
+    return version
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--github-output", action="store_true", help="append matrix=<json> to $GITHUB_OUTPUT")
     parser.add_argument("--cell", nargs=2, metavar=("CUDA", "ARCH"), help="print one cell")
+    parser.add_argument("--tag", help="the release tag (vX.Y.Z); checked against pyproject.toml")
     args = parser.parse_args(argv)
     try:
         data = cell(*args.cell) if args.cell else matrix()
+        version = tag_version(args.tag) if args.tag else None
     except ValueError as exc:
         print(f"matrix: error: {exc}", file=sys.stderr)
         return 2
@@ -86,6 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         with open(out, "a", encoding="utf-8") as fh:
             fh.write(f"matrix={text}\n")
+            if version:
+                fh.write(f"version={version}\n")
     return 0
 
 
