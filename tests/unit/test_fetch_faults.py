@@ -78,12 +78,6 @@ def cache_files(tmp_path: Path) -> List[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME) if folder.exists() else []
 
 
-def timed(call: Callable[[], object]) -> float:
-    started = time.monotonic()
-    call()
-    return time.monotonic() - started
-
-
 def fails(exc_type, call: Callable[[], object]):
     """(the exception, seconds until it came)."""
     started = time.monotonic()
