@@ -343,3 +343,82 @@ def test_glibc_limit_follows_the_claimed_manylinux_tag():
     assert ok
     ok, report = cw.symbol_version_check(required, ["GLIBC"], {"GLIBC": (2, 32)})
     assert not ok and report["GLIBC"]["offenders"] == {"2.34": ["dlsym"]}
+
+
+# --- the release rules added with the glibc 2.28 floor -------------------------------------------
+
+@pytest.mark.parametrize("tag, ok", [
+    ("cp310-abi3-manylinux_2_28_x86_64", True), ("cp310-abi3-manylinux_2_28_aarch64", True),
+    ("cp310-abi3-manylinux_2_34_x86_64", False), ("cp310-abi3-linux_x86_64", False),
+    ("cp311-abi3-manylinux_2_28_x86_64", False)])
+def test_a_release_wheel_is_manylinux_2_28_on_either_arch(tag, ok):
+    assert bool(cw.EXPECTED_TAG_RE.match(tag)) is ok
+
+
+OBJDUMP_UNVERSIONED = """\
+0000000000000000      DF *UND*\t0000000000000000  Base        aoti_torch_get_data_ptr
+0000000000000000      D  *UND*\t0000000000000000  Base        fstat64
+0000000000000000  w   D  *UND*\t0000000000000000  Base        __gmon_start__
+0000000000000000      DF *UND*\t0000000000000000              PyModule_Create2
+0000000000000000      DF *UND*\t0000000000000000 (GLIBC_2.2.5) strlen
+0000000000012340 g    DF .text\t0000000000000010  Base        PyInit__C
+"""
+
+
+def test_unversioned_required_symbols_exclude_weak_and_versioned_ones():
+    assert cw.parse_unversioned(OBJDUMP_UNVERSIONED) == ["aoti_torch_get_data_ptr", "fstat64", "PyModule_Create2"]
+    assert cw.parse_defined(OBJDUMP_UNVERSIONED) == {"PyInit__C"}
+
+
+def _checker_with(tmp_path, objdump_output: dict):
+    """A WheelChecker over a minimal wheel whose objdump answers are given."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    wheel = tmp_path / f"cudelta-0.1.0+cu130-{cw.EXPECTED_TAG}.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(cw.LIBRARY, b"\x7fELF")
+    checker = cw.WheelChecker(wheel, tmp_path / "unpacked", cuobjdump="/nonexistent")
+    checker.objdump = lambda option: objdump_output[option]
+    return checker
+
+
+def test_needed_libs_refuse_the_cuda_runtime_and_the_driver(tmp_path):
+    needed = "  NEEDED               libc10.so\n  NEEDED               libc.so.6\n"
+    ok, detail, _ = _checker_with(tmp_path, {"-p": needed}).check_needed_libs()
+    assert ok, detail
+    for lib in ("libcudart.so.13", "libcudart.so.12", "libcuda.so.1"):
+        ok, detail, _ = _checker_with(tmp_path / lib, {"-p": needed + f"  NEEDED               {lib}\n"}
+                                      ).check_needed_libs()
+        assert not ok and lib in detail and "statically" in detail
+    ok, detail, _ = _checker_with(tmp_path / "x", {"-p": needed + "  NEEDED               libfoo.so\n"}).check_needed_libs()
+    assert not ok and "unexpected: libfoo.so" in detail
+
+
+def test_glibc_binding_names_glibc_symbols_left_without_a_version(tmp_path, monkeypatch):
+    monkeypatch.setattr(cw, "host_glibc_symbols", lambda: {"fstat64", "strlen", "memcpy"})
+    ok, detail, data = _checker_with(tmp_path, {"-T": OBJDUMP_UNVERSIONED}).check_glibc_binding()
+    assert not ok and data["unbound"] == ["fstat64"] and "fstat64" in detail
+    clean = OBJDUMP_UNVERSIONED.replace("fstat64", "torch_new_list_reserve_size")
+    ok, detail, _ = _checker_with(tmp_path / "b", {"-T": clean}).check_glibc_binding()
+    assert ok, detail
+
+
+def _auditwheel_report(sym_tag="manylinux_2_24_x86_64", external=("libc10.so", "libtorch_cuda.so"), extra=()):
+    eliminate = sorted(set(external) | set(extra))
+    return {"overall_tag": "linux_x86_64", "sym_tag": sym_tag, "unsupported_isa": False,
+            "external_libs": {lib: None for lib in list(external) + list(extra)},
+            "policy_upgrades": {f"manylinux_2_{v}_x86_64": {"libs_to_eliminate": eliminate} for v in (17, 24, 28, 34)}}
+
+
+def test_auditwheel_grants_the_claim_once_torch_is_excluded():
+    problems, granted = cw.auditwheel_verdict(_auditwheel_report(), "manylinux_2_28_x86_64", cw.TORCH_LIBS)
+    assert (problems, granted) == ([], "manylinux_2_28_x86_64")
+
+
+@pytest.mark.parametrize("report, needle", [
+    (_auditwheel_report(sym_tag="manylinux_2_34_x86_64"), "symbol versions need manylinux_2_34_x86_64"),
+    (_auditwheel_report(extra=("libcudart.so.13",)), "libcudart.so.13"),
+    ({**_auditwheel_report(), "unsupported_isa": True}, "ISA"),
+])
+def test_auditwheel_refuses_what_torch_does_not_explain(report, needle):
+    problems, granted = cw.auditwheel_verdict(report, "manylinux_2_28_x86_64", cw.TORCH_LIBS)
+    assert problems and needle in "; ".join(problems) and granted != "manylinux_2_28_x86_64"

@@ -268,3 +268,49 @@ def test_main_reports_errors_in_one_line(tmp_path, wheels, capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert err.startswith("make_release: error: ") and "Traceback" not in err
+
+
+# -- the fan-in around it (scripts/assemble_release.py) -----------------------------------------
+
+assemble_release = load_module("assemble_release", ROOT / "scripts" / "assemble_release.py")
+
+
+def fake_sdist(folder: Path, manifest_text: Optional[str], version: str = VERSION) -> Path:
+    import io
+    import tarfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"cudelta-{version}.tar.gz"
+    members = {f"cudelta-{version}/PKG-INFO": f"Metadata-Version: 2.4\nName: cudelta\nVersion: {version}\n"}
+    if manifest_text is not None:
+        members[f"cudelta-{version}/{assemble_release.EMBEDDED}"] = manifest_text
+    with tarfile.open(path, "w:gz") as tf:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_the_sdist_joins_sha256sums_in_order(release):
+    sdist = fake_sdist(release, None)
+    assemble_release.add_to_sums(release, [sdist])
+    lines = (release / "SHA256SUMS").read_text().splitlines()
+    names = [line.split("  ", 1)[1] for line in lines]
+    assert names == sorted(names) and sdist.name in names
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=release).returncode == 0
+
+
+def test_an_sdist_without_the_manifest_or_with_another_is_refused(release, tmp_path):
+    manifest = release / "manifest.json"
+    missing = assemble_release.check_sdist(fake_sdist(tmp_path / "a", None), manifest, VERSION)
+    assert any("no installer/release_manifest.json inside" in p for p in missing)
+    other = json.loads(manifest.read_text())
+    other["assets"] = other["assets"][:1]
+    differs = assemble_release.check_sdist(fake_sdist(tmp_path / "b", json.dumps(other)), manifest, VERSION)
+    assert any("differs from" in p for p in differs)
+    same = assemble_release.check_sdist(fake_sdist(tmp_path / "c", manifest.read_text()), manifest, VERSION)
+    assert not any("manifest" in p for p in same), same
+    wrong_version = assemble_release.check_sdist(fake_sdist(tmp_path / "d", None, "0.2.0"), manifest, VERSION)
+    assert any("is not cudelta-0.1.0.tar.gz" in p for p in wrong_version)
