@@ -50,7 +50,7 @@ GLIBC_FLOOR = (2, 28)
 # Stub sonames the link may need (-lc, -lm from the compiler driver; rt, pthread, dl from the static
 # CUDA runtime), by the -l name that finds them.
 STUB_LIBS = ("c", "m", "pthread", "dl", "rt", "resolv", "util")
-LOADER_STUB = "libld.so.2"  # zig's name for the ld-linux stub (its soname is the real loader's)
+LOADER_STUB_RE = r"libld\.so\.\d+"  # zig's name for the ld-linux stub (its soname is the real loader's)
 COMPAT_SOURCE = (
     "/* installer/glibc_floor.py: libstdc++ headers of glibc >= 2.32 read this; 2.28 has none. */\n"
     '__attribute__((visibility("hidden"))) char __libc_single_threaded = 0;\n'
@@ -111,8 +111,8 @@ def stub_folder(libs: Dict[str, Path], out: Path) -> Path:
             group = [str(matches[0])]
             if "libc_nonshared.a" in libs:
                 group.append(str(libs["libc_nonshared.a"]))
-            if LOADER_STUB in libs:
-                group.append(f"AS_NEEDED ( {libs[LOADER_STUB]} )")
+            group += [f"AS_NEEDED ( {path} )" for name, path in sorted(libs.items())
+                      if re.fullmatch(LOADER_STUB_RE, name)]
             dst.write_text("/* glibc %d.%d stubs, installer/glibc_floor.py */\nGROUP ( %s )\n"
                            % (*GLIBC_FLOOR, " ".join(group)))
         else:

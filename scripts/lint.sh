@@ -16,7 +16,7 @@ status=0
 echo "lint.sh: actionlint $(actionlint -version | head -1), $(shellcheck --version | sed -n 2p)"
 actionlint -no-color .github/workflows/*.yml || status=1
 echo "lint.sh: zizmor $(zizmor --version | awk '{print $2}') --offline"
-zizmor --offline --no-progress --format plain .github/workflows/ || status=1
+zizmor --offline --no-progress --quiet --format plain .github/workflows/ || status=1
 shellcheck scripts/*.sh .ci/run || status=1
 if [ "$status" -ne 0 ]; then echo "lint.sh: findings above" >&2; else echo "lint.sh: no findings"; fi
 exit "$status"
