@@ -242,3 +242,25 @@ def test_release_asset_is_a_real_release_build(release_dir):
     assert "cudelta/_C.abi3.so" in names
     assert f"Version: {VERSION}+cu130" in metadata
     assert info["build"] == "release" and info["archs"] == ["sm_80", "sm_90a", "sm_100f", "sm_120f"]
+
+
+def test_a_cpu_arch_the_release_has_no_cuda_build_for_gets_the_pure_python_wheel(
+        base_cu, fresh_venv, sdist_without_manifest, server, release_dir, tmp_path, compiler_spy):
+    # As on aarch64 while a release has x86_64 builds only: nothing to download, nothing to
+    # compile for the first time on a user's machine; the ops run the PyTorch reference.
+    env = fresh_venv(base_cu)
+    asset = asset_name(release_dir)
+    manifest = json.loads((release_dir / "manifest.json").read_text())
+    for entry in manifest["assets"]:
+        entry["name"] = entry["name"].replace("x86_64", "riscv64")
+        entry["platform"] = entry["platform"].replace("x86_64", "riscv64")
+    server.replace_bytes("manifest.json", json.dumps(manifest).encode())
+    out = pip_output(env.pip("install", "-v", sdist_without_manifest,
+                             env=compiler_spy.path_env(install_env(server, tmp_path / "cache"))))
+
+    assert "release 0.1.0 has no CUDA build for x86_64: installing the pure-Python wheel" in out
+    assert "py3-none-any" in wheel_line(out)
+    assert compiler_spy.compiles() == []
+    assert not any(p.endswith(".whl") for p in server.paths()) and asset not in out
+    record = installed_record(env)
+    assert record["library"] is None and record["build"] is None
