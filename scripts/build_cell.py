@@ -124,7 +124,22 @@ def build(cuda: str, out: Path, python: str, src: Path, require_floor: bool = Tr
         if proc.returncode != 0:
             raise CellError(f"the release build failed (exit {proc.returncode}); its output is above")
         (wheel,) = raw.glob("*.whl")
+        check_arch(wheel, cell["arch"])
         return repair(wheel, cell["platform"], out, env)
+
+
+def check_arch(wheel: Path, arch: str) -> None:
+    """The wheel's platform tag must name the CPU its library is for (read from the ELF header)."""
+    sys.path.insert(0, str(ROOT))
+    from installer.platform_tag import elf_machine
+
+    with tempfile.TemporaryDirectory(prefix="cudelta-arch-") as tmp, zipfile.ZipFile(wheel) as zf:
+        libs = [n for n in zf.namelist() if n.endswith(".so")]
+        machines = {elf_machine(Path(zf.extract(n, tmp))) for n in libs}
+    if machines != {arch} or not wheel.name.endswith(f"_{arch}.whl"):
+        raise CellError(f"{wheel.name}: library for {', '.join(sorted(machines)) or 'nothing'}, cell {arch}; "
+                        "the release tag must come from the library's arch (installer/commands.py "
+                        "_label_release_wheel / RELEASE_PLATFORM)")
 
 
 def repair(wheel: Path, plat: str, out: Path, env: dict) -> Path:

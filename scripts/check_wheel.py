@@ -48,20 +48,18 @@ from typing import Callable, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules below
 
-from wheel_audits import ToolChecks  # noqa: E402
+from wheel_audits import LinkChecks, ToolChecks, auditwheel_verdict, host_glibc_symbols  # noqa: E402,F401  (re-exported)
 from wheel_parsers import *  # noqa: E402,F401,F403  (re-exported: tests and callers use check_wheel.X)
 from wheel_parsers import (  # noqa: E402
-    BUILD_INFO, CHECK_NAMES, EXPECTED_TAG_RE, FAIL, GLIBC_SONAMES, INFO, LIBRARY, MANYLINUX_LIBS, PACKAGE, PASS,
-    PYTHON_FLOOR, SYMBOL_VERSION_LIMITS, TORCH_LIBS, Check, ToolMissing, coverage, cuda_label, dist_version,
-    elf_listing_name, elf_sections, fatbin_payload_sizes, find_cuobjdump, first_line, native, parse_cuobjdump_list,
-    parse_defined, parse_fatbin_headers, parse_needed, parse_objdump_versions, parse_unversioned,
-    parse_wheel_filename, platform_glibc, ptx_listing_name, record_problems, run_tool, symbol_version_check,
-    version_tuple,
+    BUILD_INFO, CHECK_NAMES, EXPECTED_TAG_RE, FAIL, INFO, LIBRARY, PACKAGE, PASS, PYTHON_FLOOR, Check,
+    ToolMissing, coverage, cuda_label, dist_version, elf_listing_name, elf_sections, fatbin_payload_sizes,
+    find_cuobjdump, first_line, native, parse_cuobjdump_list, parse_fatbin_headers, parse_wheel_filename,
+    ptx_listing_name, record_problems, run_tool,
 )
 
 # --- the checks ---------------------------------------------------------------------------------
 
-class WheelChecker(ToolChecks):
+class WheelChecker(LinkChecks, ToolChecks):
     def __init__(self, wheel: Path, workdir: Path, cuobjdump: Optional[str] = None):
         self.wheel = wheel
         self.workdir = workdir
@@ -248,64 +246,6 @@ class WheelChecker(ToolChecks):
             detail = f"{len(headers)}/{len(headers)} fatbin entries compressed{sizes}"
         return ok, detail, data
 
-    def check_glibc(self):
-        self.require_library()
-        required = parse_objdump_versions(self.objdump("-T"))
-        claimed = platform_glibc(self.name["platform"]) or SYMBOL_VERSION_LIMITS["GLIBC"]
-        ok, report = symbol_version_check(required, ["GLIBC"], {"GLIBC": claimed})
-        glibc = report["GLIBC"]
-        if ok:
-            detail = f"max GLIBC_{glibc['max']} <= {glibc['limit']} claimed by {self.name['platform']}"
-        else:
-            detail = (f"needs glibc newer than {glibc['limit']} ({self.name['platform']} is not honest): "
-                      + ", ".join(f"GLIBC_{v} ({', '.join(s)})"
-                                  for v, s in sorted(glibc["offenders"].items(), key=lambda kv: _sort_key(kv[0]),
-                                                     reverse=True)))
-        return ok, detail, report
-
-    def check_libstdcxx(self):
-        self.require_library()
-        required = parse_objdump_versions(self.objdump("-T"))
-        families = ["GLIBCXX", "CXXABI", "GCC"]
-        ok, report = symbol_version_check(required, families)
-        parts = []
-        for family in families:
-            r = report[family]
-            if r["offenders"]:
-                parts.append(f"{family} > {r['limit']}: " + ", ".join(
-                    f"{family}_{v} ({', '.join(s[:3])})" for v, s in sorted(r["offenders"].items())))
-            else:
-                parts.append(f"max {family}_{r['max']} <= {r['limit']}" if r["max"] else f"no {family}")
-        return ok, "; ".join(parts), report
-
-    def check_glibc_binding(self):
-        self.require_library()
-        unversioned = set(parse_unversioned(self.objdump("-T")))
-        glibc = host_glibc_symbols()
-        if not glibc:
-            raise ToolMissing("cannot read this host's glibc libraries (ldconfig -p, objdump)")
-        unbound = sorted(unversioned & glibc)
-        detail = (f"glibc symbols bound to no version (missing from older glibc, the library would not "
-                  f"load there): {', '.join(unbound)}" if unbound else
-                  f"every required glibc symbol is versioned ({len(unversioned)} unversioned symbols, "
-                  "all torch / Python)")
-        return not unbound, detail, {"unbound": unbound}
-
-    def check_needed_libs(self):
-        self.require_library()
-        needed = parse_needed(self.objdump("-p"))
-        allowed = MANYLINUX_LIBS | TORCH_LIBS
-        cuda = [lib for lib in needed if lib.startswith(("libcudart", "libcuda."))]
-        unexpected = [lib for lib in needed if lib not in allowed and lib not in cuda]
-        problems = []
-        if cuda:
-            problems.append(f"{', '.join(cuda)} NEEDED: the CUDA runtime must be linked statically "
-                            "(cudart_static, installer/native.py link_libraries) and the driver dlopen'ed")
-        if unexpected:
-            problems.append(f"unexpected: {', '.join(unexpected)} (allowed: manylinux system libraries, "
-                            f"{', '.join(sorted(TORCH_LIBS))})")
-        return not problems, "; ".join(problems) or ", ".join(needed), {"needed": needed}
-
     # helpers
     def _dist_info_path(self, name: str) -> str:
         matches = [p for p in self.files if re.fullmatch(r"[^/]+\.dist-info/" + re.escape(name), p)]
@@ -372,42 +312,10 @@ class WheelChecker(ToolChecks):
                 "torch-abi-audit": dist_version("torch-abi-audit"), "python": sys.executable}
 
 
-_HOST_GLIBC: Optional[set] = None
-
-
-def host_glibc_symbols() -> set:
-    """Every symbol this host's glibc libraries (and dynamic loader) define, read once. ldconfig -p
-    lines read `libc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6`; 32-bit entries have
-    no comma in the parentheses and are skipped."""
-    global _HOST_GLIBC
-    if _HOST_GLIBC is None:
-        try:
-            listing = run_tool(["ldconfig", "-p"], timeout=30).stdout
-        except OSError:
-            listing = ""
-        paths: dict = {}
-        for soname, abi, path in re.findall(r"^\s*(\S+) \(([^)]*)\) => (\S+)\s*$", listing, re.M):
-            if (soname in GLIBC_SONAMES or soname.startswith("ld-linux")) and "," in abi:
-                paths.setdefault(soname, path)
-        exe = shutil.which("objdump")
-        symbols: set = set()
-        for path in paths.values() if exe else ():
-            symbols |= parse_defined(run_tool([exe, "-T", path], timeout=60).stdout)
-        _HOST_GLIBC = symbols
-    return _HOST_GLIBC
-
-
 def _module_names(listed: Sequence[tuple[str, str]], modules: int) -> str:
     """' (gdn_decode, probe)' where cuobjdump could name the modules, else ''."""
     names = list(dict.fromkeys(module for module, _ in listed))
     return f" ({', '.join(names)})" if len(names) == modules else ""
-
-
-def _sort_key(version: str):
-    try:
-        return (0, version_tuple(version))
-    except ValueError:
-        return (1, ())
 
 
 def check_wheel(wheel: Path, cuobjdump: Optional[str] = None) -> tuple[list[Check], dict]:

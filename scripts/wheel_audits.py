@@ -1,4 +1,6 @@
-"""The wheel checks that run external auditors (a mixin of check_wheel.WheelChecker):
+"""The wheel checks of what the library links against (LinkChecks: glibc, glibc-binding, libstdcxx,
+needed-libs, from objdump) and those that run external auditors (ToolChecks), mixins of
+check_wheel.WheelChecker:
 
   abi3audit        `abi3audit --strict`: no symbol outside the cp310 limited API
   torch-abi-audit  `torch-abi-audit --check both`: only the torch stable ABI, min torch <= floor
@@ -13,11 +15,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
-from wheel_parsers import (LIBRARY, PACKAGE, PYTHON_FLOOR, TORCH_LIBS, ToolMissing, auditwheel_verdict,
-                           console_script, dist_version, first_line, run_tool, version_tuple)
+from wheel_parsers import (GLIBC_SONAMES, LIBRARY, MANYLINUX_LIBS, PACKAGE, PYTHON_FLOOR, SYMBOL_VERSION_LIMITS,
+                           TORCH_LIBS, ToolMissing, auditwheel_verdict, console_script, dist_version, first_line,
+                           parse_defined, parse_needed, parse_objdump_versions, parse_unversioned, platform_glibc,
+                           run_tool, symbol_version_check, version_tuple)
 
 
 def python_tool(module: str, dist_name: str, script: str) -> list:
@@ -135,3 +142,97 @@ class ToolChecks:
         detail = (f"twine {dist_version('twine')} check --strict: PASSED" if ok
                   else f"twine check --strict exited {out.returncode}: {text[-300:]}")
         return ok, detail, {"version": dist_version("twine")}
+
+
+class LinkChecks:
+    """Needs self.objdump(option), self.name, self.require_library()."""
+
+    def check_glibc(self):
+        self.require_library()
+        required = parse_objdump_versions(self.objdump("-T"))
+        claimed = platform_glibc(self.name["platform"]) or SYMBOL_VERSION_LIMITS["GLIBC"]
+        ok, report = symbol_version_check(required, ["GLIBC"], {"GLIBC": claimed})
+        glibc = report["GLIBC"]
+        if ok:
+            detail = f"max GLIBC_{glibc['max']} <= {glibc['limit']} claimed by {self.name['platform']}"
+        else:
+            detail = (f"needs glibc newer than {glibc['limit']} ({self.name['platform']} is not honest): "
+                      + ", ".join(f"GLIBC_{v} ({', '.join(s)})"
+                                  for v, s in sorted(glibc["offenders"].items(), key=lambda kv: _sort_key(kv[0]),
+                                                     reverse=True)))
+        return ok, detail, report
+
+    def check_libstdcxx(self):
+        self.require_library()
+        required = parse_objdump_versions(self.objdump("-T"))
+        families = ["GLIBCXX", "CXXABI", "GCC"]
+        ok, report = symbol_version_check(required, families)
+        parts = []
+        for family in families:
+            r = report[family]
+            if r["offenders"]:
+                parts.append(f"{family} > {r['limit']}: " + ", ".join(
+                    f"{family}_{v} ({', '.join(s[:3])})" for v, s in sorted(r["offenders"].items())))
+            else:
+                parts.append(f"max {family}_{r['max']} <= {r['limit']}" if r["max"] else f"no {family}")
+        return ok, "; ".join(parts), report
+
+    def check_glibc_binding(self):
+        self.require_library()
+        unversioned = set(parse_unversioned(self.objdump("-T")))
+        glibc = host_glibc_symbols()
+        if not glibc:
+            raise ToolMissing("cannot read this host's glibc libraries (ldconfig -p, objdump)")
+        unbound = sorted(unversioned & glibc)
+        detail = (f"glibc symbols bound to no version (missing from older glibc, the library would not "
+                  f"load there): {', '.join(unbound)}" if unbound else
+                  f"every required glibc symbol is versioned ({len(unversioned)} unversioned symbols, "
+                  "all torch / Python)")
+        return not unbound, detail, {"unbound": unbound}
+
+    def check_needed_libs(self):
+        self.require_library()
+        needed = parse_needed(self.objdump("-p"))
+        allowed = MANYLINUX_LIBS | TORCH_LIBS
+        cuda = [lib for lib in needed if lib.startswith(("libcudart", "libcuda."))]
+        unexpected = [lib for lib in needed if lib not in allowed and lib not in cuda]
+        problems = []
+        if cuda:
+            problems.append(f"{', '.join(cuda)} NEEDED: the CUDA runtime must be linked statically "
+                            "(cudart_static, installer/native.py link_libraries) and the driver dlopen'ed")
+        if unexpected:
+            problems.append(f"unexpected: {', '.join(unexpected)} (allowed: manylinux system libraries, "
+                            f"{', '.join(sorted(TORCH_LIBS))})")
+        return not problems, "; ".join(problems) or ", ".join(needed), {"needed": needed}
+
+
+_HOST_GLIBC: Optional[set] = None
+
+
+def host_glibc_symbols() -> set:
+    """Every symbol this host's glibc libraries (and dynamic loader) define, read once. ldconfig -p
+    lines read `libc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6`; 32-bit entries have
+    no comma in the parentheses and are skipped."""
+    global _HOST_GLIBC
+    if _HOST_GLIBC is None:
+        try:
+            listing = run_tool(["ldconfig", "-p"], timeout=30).stdout
+        except OSError:
+            listing = ""
+        paths: dict = {}
+        for soname, abi, path in re.findall(r"^\s*(\S+) \(([^)]*)\) => (\S+)\s*$", listing, re.M):
+            if (soname in GLIBC_SONAMES or soname.startswith("ld-linux")) and "," in abi:
+                paths.setdefault(soname, path)
+        exe = shutil.which("objdump")
+        symbols: set = set()
+        for path in paths.values() if exe else ():
+            symbols |= parse_defined(run_tool([exe, "-T", path], timeout=60).stdout)
+        _HOST_GLIBC = symbols
+    return _HOST_GLIBC
+
+
+def _sort_key(version: str):
+    try:
+        return (0, version_tuple(version))
+    except ValueError:
+        return (1, ())

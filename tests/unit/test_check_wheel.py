@@ -394,7 +394,7 @@ def test_needed_libs_refuse_the_cuda_runtime_and_the_driver(tmp_path):
 
 
 def test_glibc_binding_names_glibc_symbols_left_without_a_version(tmp_path, monkeypatch):
-    monkeypatch.setattr(cw, "host_glibc_symbols", lambda: {"fstat64", "strlen", "memcpy"})
+    monkeypatch.setattr(sys.modules["wheel_audits"], "host_glibc_symbols", lambda: {"fstat64", "strlen", "memcpy"})
     ok, detail, data = _checker_with(tmp_path, {"-T": OBJDUMP_UNVERSIONED}).check_glibc_binding()
     assert not ok and data["unbound"] == ["fstat64"] and "fstat64" in detail
     clean = OBJDUMP_UNVERSIONED.replace("fstat64", "torch_new_list_reserve_size")
