@@ -83,7 +83,14 @@ def source_files(src: Path) -> List[str]:
 
 
 def copy_tree(src: Path, dst: Path) -> None:
-    for rel in source_files(src):
+    try:
+        files = source_files(src)
+    except (OSError, subprocess.CalledProcessError):  # no git, or a checkout without .git
+        say(f"git cannot list {src}; copying it minus build outputs")
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(
+            ".git", "build", "dist", "*.egg-info", "__pycache__", ".ci-cache", "wheelhouse", "*.so", ".sccache"))
+        files = []
+    for rel in files:
         target = dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src / rel, target)
