@@ -1,4 +1,4 @@
-"""The CUDA kernels against the PyTorch reference, on a real GPU (marker `gpu`)."""
+"""The CUDA kernels against the PyTorch reference, on a real GPU (marker `gpu`), for every option."""
 
 import pytest
 
@@ -14,6 +14,8 @@ pytestmark = [
 ]
 
 VARIANTS = list(_native.VARIANTS.items())
+LAYOUTS = {"kv": 0, "vk": 1}
+RULES = {"negative": 0, "nonpositive": 1}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,86 +24,257 @@ def native_loaded():
     assert st.loaded, f"native library not loaded on a GPU machine: {st.reason}"
 
 
-def make(N, H, HV, K, V, P, dtype, idx_dtype=torch.int32, seed=0, invalid=()):
+def make(N, H, HV, K, V, P, dtype=torch.bfloat16, kda=False, layout="kv", state_dtype=torch.float32,
+         idx_dtype=torch.int32, seed=0, invalid=()):
     gen = torch.Generator().manual_seed(seed)
     dev = "cuda"
-    q = torch.randn(N, H, K, generator=gen).to(dev, dtype)
-    k = torch.randn(N, H, K, generator=gen).to(dev, dtype)
-    v = torch.randn(N, HV, V, generator=gen).to(dev, dtype)
-    g = (-torch.rand(N, HV, generator=gen) * 2).to(dev)
-    beta = torch.rand(N, HV, generator=gen).to(dev)
-    state = (torch.randn(P, HV, K, V, generator=gen) * 0.1).to(dev)
+    t = dict(
+        q=torch.randn(N, H, K, generator=gen).to(dev, dtype),
+        k=torch.randn(N, H, K, generator=gen).to(dev, dtype),
+        v=torch.randn(N, HV, V, generator=gen).to(dev, dtype),
+        g=(-torch.rand(*((N, HV, K) if kda else (N, HV)), generator=gen) * 2).to(dev),
+        beta=torch.rand(N, HV, generator=gen).to(dev),
+        # raw gates as engines hold them: a, b in the activation dtype, A_log, dt_bias in float32
+        a=(torch.randn(*((N, HV, K) if kda else (N, HV)), generator=gen) * 3).to(dev, dtype),
+        b=(torch.randn(N, HV, generator=gen) * 2).to(dev, dtype),
+        A_log=(torch.randn(HV, generator=gen) * 0.5).to(dev),
+        dt_bias=torch.randn(*((HV, K) if kda else (HV,)), generator=gen).to(dev),
+    )
+    t["a"].view(-1)[0] = 25.0  # past softplus' threshold of 20
+    shape = (P, HV, K, V) if layout == "kv" else (P, HV, V, K)
+    t["state"] = (torch.randn(*shape, generator=gen) * 0.1).to(dev, state_dtype)
     slots = torch.randperm(P, generator=gen)[:N]
     for i in invalid:
         slots[i] = -1 if i % 2 == 0 else P + 3  # negative and past-the-end both mean "skip"
-    return q, k, v, g, beta, state, slots.to(dev, idx_dtype)
+    t["idx"] = slots.to(dev, idx_dtype)
+    return t
 
 
-def run_variant(variant, *args, l2norm=True):
-    q, k, v, g, beta, state, idx = args
-    return torch.ops.cudelta.gdn_decode(q, k, v, g, beta, state, idx, q.shape[-1] ** -0.5, l2norm, variant)
+def gate_args(t, gates):
+    if gates == "raw":
+        return dict(g=None, beta=None, a=t["a"], b=t["b"], A_log=t["A_log"], dt_bias=t["dt_bias"])
+    return dict(g=t["g"], beta=t["beta"], a=None, b=None, A_log=None, dt_bias=None)
+
+
+def run_op(kind, variant, t, gates="pre", layout="kv", rule="negative", l2norm=True, out=None):
+    """The raw op with a forced variant; the output buffer is poisoned so unwritten elements show."""
+    op = torch.ops.cudelta.kda_decode if kind == "kda" else torch.ops.cudelta.gdn_decode
+    ga = gate_args(t, gates)
+    out = torch.full_like(t["v"], float("nan")) if out is None else out
+    op(t["q"], t["k"], t["v"], ga["g"], ga["beta"], ga["a"], ga["b"], ga["A_log"], ga["dt_bias"], t["state"], t["idx"],
+       out, t["q"].shape[-1] ** -0.5, l2norm, LAYOUTS[layout], RULES[rule], variant)
+    return out
+
+
+def run_reference(kind, t, state, gates="pre", layout="kv", rule="negative", l2norm=True):
+    ref = kda_decode_reference if kind == "kda" else gdn_decode_reference
+    ga = gate_args(t, gates)
+    g, beta = ga.pop("g"), ga.pop("beta")
+    return ref(t["q"], t["k"], t["v"], g, beta, state, t["idx"], use_qk_l2norm=l2norm, layout=layout,
+               invalid_slot=rule, **ga)
+
+
+def rel_err(x, ref):
+    return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+def assert_step_matches(kind, variant, t, *, gates="pre", layout="kv", rule="negative", l2norm=True, out_tol=1e-2):
+    state = t["state"]
+    before = state.clone()
+    ref_state = state.clone()
+    ref_out = run_reference(kind, t, ref_state, gates, layout, rule, l2norm)
+    out = run_op(kind, variant, t, gates, layout, rule, l2norm)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "an output element was never written"
+    # fp32 state: the same fp32 math in another order; bf16 state: at most a bf16 rounding apart
+    state_tol = 1e-4 if state.dtype == torch.float32 else 1e-2
+    assert rel_err(state, ref_state) <= state_tol
+    assert rel_err(out, ref_out) <= out_tol
+    lowest = RULES[rule]
+    named = {int(s) for s in t["idx"].tolist() if lowest <= s < state.shape[0]}
+    untouched = [s for s in range(state.shape[0]) if s not in named]
+    assert torch.equal(state[untouched], before[untouched]), "a slot not named by idx changed"
+    for n, s in enumerate(t["idx"].tolist()):
+        if not lowest <= s < state.shape[0]:
+            assert torch.all(out[n] == 0), f"request {n} with invalid slot {s} got a non-zero output"
+    return out
+
+
+@pytest.mark.parametrize("name,variant", VARIANTS)
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
+@pytest.mark.parametrize("gates", ["pre", "raw"])
+@pytest.mark.parametrize("rule", ["negative", "nonpositive"])
+def test_every_option_matches_the_reference(name, variant, kind, layout, state_dtype, gates, rule):
+    t = make(N=7, H=2, HV=4, K=128, V=128, P=11, kda=kind == "kda", layout=layout, state_dtype=state_dtype,
+             invalid=(1, 4))
+    if rule == "nonpositive":
+        t["idx"][2] = 0  # the null block: skipped, slot 0 untouched
+    out = assert_step_matches(kind, variant, t, gates=gates, layout=layout, rule=rule)
+    if rule == "nonpositive":
+        assert torch.all(out[2] == 0)
+
+
+@pytest.mark.parametrize("name,variant", VARIANTS)
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K,V", [(64, 64), (64, 256), (128, 64), (256, 128), (256, 256)])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
+def test_head_dims_64_128_256(name, variant, layout, K, V, state_dtype):
+    t = make(N=5, H=2, HV=4, K=K, V=V, P=9, layout=layout, state_dtype=state_dtype, invalid=(3,))
+    assert_step_matches("gdn", variant, t, layout=layout)
 
 
 @pytest.mark.parametrize("name,variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("K,H,HV", [(128, 16, 32), (64, 4, 4), (128, 2, 8)])
+@pytest.mark.parametrize("H,HV", [(16, 32), (4, 4), (2, 8)])
 @pytest.mark.parametrize("l2norm", [True, False])
-def test_variant_matches_reference(name, variant, dtype, K, H, HV, l2norm):
-    args = make(N=7, H=H, HV=HV, K=K, V=128, P=11, dtype=dtype, invalid=(1, 4))
-    q, k, v, g, beta, state, idx = args
-    ref_state = state.clone()
-    ref_out = gdn_decode_reference(q, k, v, g, beta, ref_state, idx, use_qk_l2norm=l2norm)
-    out = run_variant(variant, *args, l2norm=l2norm)
-    torch.cuda.synchronize()
-    scale = ref_state.abs().max()
-    assert ((state - ref_state).abs().max() / scale).item() <= 1e-4
+def test_io_dtypes_and_head_groups(name, variant, dtype, H, HV, l2norm):
+    t = make(N=7, H=H, HV=HV, K=128, V=128, P=11, dtype=dtype, idx_dtype=torch.int64, invalid=(1, 4))
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    ref_scale = ref_out.float().abs().max()
-    assert ((out.float() - ref_out.float()).abs().max() / ref_scale).item() <= tol
-    assert out.dtype == dtype and out.shape == v.shape
-    assert torch.all(out[1] == 0) and torch.all(out[4] == 0)
+    out = assert_step_matches("gdn", variant, t, gates="raw", l2norm=l2norm, out_tol=tol)
+    assert out.dtype == dtype
 
 
-@pytest.mark.parametrize("name,variant", VARIANTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("K", [64, 128])
-def test_kda_per_channel_decay_matches_reference(name, variant, dtype, K):
-    q, k, v, _g, beta, state, idx = make(N=7, H=4, HV=8, K=K, V=128, P=11, dtype=dtype, invalid=(2,))
-    gk = (-torch.rand(7, 8, K, generator=torch.Generator().manual_seed(5)) * 2).cuda()
-    ref_state = state.clone()
-    ref_out = kda_decode_reference(q, k, v, gk, beta, ref_state, idx, use_qk_l2norm=True)
-    out = torch.ops.cudelta.kda_decode(q, k, v, gk, beta, state, idx, K ** -0.5, True, variant)
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_strided_views_out_of_a_packed_projection(layout):
+    # vLLM slices q, k, v out of one mixed_qkv row and a, b out of one projection: views, not copies
+    N, H, HV, K, V, P = 6, 2, 4, 128, 128, 10
+    dev = "cuda"
+    mixed = torch.randn(N, 2 * H * K + HV * V + 64, device=dev, dtype=torch.bfloat16)
+    ab = torch.randn(N, 2 * HV + 3, device=dev, dtype=torch.bfloat16)
+    t = make(N=N, H=H, HV=HV, K=K, V=V, P=P, layout=layout)
+    t["q"] = mixed[:, : H * K].view(N, H, K)
+    t["k"] = mixed[:, H * K: 2 * H * K].view(N, H, K)
+    t["v"] = mixed[:, 2 * H * K: 2 * H * K + HV * V].view(N, HV, V)
+    t["a"], t["b"] = ab[:, :HV], ab[:, HV: 2 * HV]
+    assert not t["q"].is_contiguous() and not t["a"].is_contiguous()
+    assert_step_matches("gdn", -1, t, gates="raw", layout=layout)
+
+
+def test_the_out_buffer_may_be_a_view_of_a_larger_one():
+    t = make(N=4, H=2, HV=4, K=128, V=128, P=8)
+    big = torch.full((4, 6, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = big[:, 1:5]
+    ref_state = t["state"].clone()
+    ref = run_reference("gdn", t, ref_state)
+    run_op("gdn", -1, t, out=out)
     torch.cuda.synchronize()
-    assert ((state - ref_state).abs().max() / ref_state.abs().max()).item() <= 1e-4
-    tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}[dtype]
-    assert ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item() <= tol
-    assert torch.all(out[2] == 0)
+    assert rel_err(out, ref) <= 1e-2
+    assert big[:, 0].isnan().all() and big[:, 5].isnan().all()  # nothing written outside the view
 
 
-def test_a_per_channel_gate_is_refused_by_gdn_and_taken_by_the_public_kda_api():
-    q, k, v, _g, beta, state, idx = make(N=3, H=2, HV=4, K=128, V=128, P=6, dtype=torch.bfloat16)
-    gk = -torch.rand(3, 4, 128, device="cuda")
-    with pytest.raises(RuntimeError, match="per-channel gates are kda_decode"):
-        torch.ops.cudelta.gdn_decode(q, k, v, gk, beta, state, idx, 0.1, True, -1)
-    ref_state = state.clone()
-    ref = kda_decode_reference(q, k, v, gk, beta, ref_state, idx)
-    out = cudelta.kda_decode(q, k, v, gk, beta, state, idx)
+def test_public_api_raw_gates_vk_bf16_state_into_out_buffer():
+    t = make(N=5, H=2, HV=4, K=128, V=128, P=9, layout="vk", state_dtype=torch.bfloat16, invalid=(0,))
+    t["idx"][1] = 0
+    ref_state = t["state"].clone()
+    ref = run_reference("gdn", t, ref_state, gates="raw", layout="vk", rule="nonpositive", l2norm=False)
+    buf = torch.empty_like(t["v"])
+    out = cudelta.gdn_decode(t["q"], t["k"], t["v"], None, None, t["state"], t["idx"], a=t["a"], b=t["b"],
+                             A_log=t["A_log"], dt_bias=t["dt_bias"], layout="vk", invalid_slot="nonpositive", out=buf)
     torch.cuda.synchronize()
-    assert ((state - ref_state).abs().max() / ref_state.abs().max()).item() <= 1e-4
-    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() <= 1e-2
+    assert out is buf
+    assert rel_err(out, ref) <= 1e-2 and rel_err(t["state"], ref_state) <= 1e-2
 
 
-@pytest.mark.parametrize("name,variant", VARIANTS)
-def test_unnamed_slots_stay_bit_identical(name, variant):
-    args = make(N=5, H=16, HV=32, K=128, V=128, P=64, dtype=torch.bfloat16, idx_dtype=torch.int64, invalid=(0, 3))
-    state, idx = args[5], args[6]
-    before = state.clone()
-    run_variant(variant, *args)
+ERROR_CASES = {
+    "variant 7": ("run_op('gdn', 7, t)", "accepted: generic, sm80, sm90, sm90tma"),
+    "beta shape": ("run_op('gdn', -1, dict(t, beta=t['beta'][:, :1]))", "beta must be [N, HV] = [2, 2]"),
+    "fp16 state": ("run_op('gdn', -1, dict(t, state=t['state'].half()))",
+                   "state has dtype float16; accepted: float32, bfloat16"),
+    "K=96": ("run_op('gdn', -1, make(N=2, H=2, HV=2, K=96, V=128, P=4))",
+             "K=96 is not supported; accepted: 64, 128, 256"),
+}
+ERROR_SCRIPT = """
+import sys; sys.path.insert(0, {here!r})
+import cudelta; cudelta._native.status()
+from test_gdn_decode_gpu import make, run_op
+t = make(N=2, H=2, HV=2, K=128, V=128, P=4)
+try:
+    {call}
+except RuntimeError as e:
+    print(e)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="an error raised inside the op kills the process (SIGSEGV) on torch 2.11 "
+                   "since the ops return () and take Tensor? (2026-11-23; a minimal stable-ABI op that throws the "
+                   "same way does not crash, cause not found yet). The public API checks these in Python first.")
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_kernel_errors_name_the_value_and_the_accepted_ones(case):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    call, message = ERROR_CASES[case]
+    script = ERROR_SCRIPT.format(here=str(Path(__file__).parent), call=call)
+    proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and message in proc.stdout, proc.stderr[-500:]
+
+
+def test_the_public_api_names_bad_arguments_before_the_kernel():
+    t = make(N=2, H=2, HV=2, K=96, V=128, P=4)
+    with pytest.raises(ValueError, match="K=96 is not supported; accepted: 64, 128, 256"):
+        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], t["state"], t["idx"])
+    t = make(N=2, H=2, HV=2, K=128, V=128, P=4)
+    with pytest.raises(ValueError, match=r"beta must be \[2, 2\]"):
+        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"][:, :1], t["state"], t["idx"])
+    with pytest.raises(ValueError, match="state dtype torch.float16 is not accepted"):
+        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], t["state"].half(), t["idx"])
+    with pytest.raises(ValueError, match="per-channel gates are KDA"):
+        cudelta.gdn_decode(t["q"], t["k"], t["v"], -torch.rand(2, 2, 128, device="cuda"), t["beta"], t["state"],
+                           t["idx"])
+
+
+def test_public_api_traces_under_compile_fullgraph():
+    t = make(N=3, H=2, HV=4, K=128, V=128, P=6, layout="vk", state_dtype=torch.bfloat16)
+    ref_state = t["state"].clone()
+    ref = run_reference("gdn", t, ref_state, gates="raw", layout="vk", l2norm=True)
+
+    def step(q, k, v, state, idx, a, b, A_log, dt_bias, out):
+        return cudelta.gdn_decode(q, k, v, None, None, state, idx, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                                  use_qk_l2norm=True, layout="vk", out=out)
+
+    compiled = torch.compile(step, fullgraph=True)
+    out = torch.empty_like(t["v"])
+    compiled(t["q"], t["k"], t["v"], t["state"], t["idx"], t["a"], t["b"], t["A_log"], t["dt_bias"], out)
     torch.cuda.synchronize()
-    touched = {int(s) for s in idx.tolist() if 0 <= s < state.shape[0]}
-    untouched = [s for s in range(state.shape[0]) if s not in touched]
-    assert torch.equal(state[untouched], before[untouched])
-    assert all(not torch.equal(state[s], before[s]) for s in touched)
+    assert rel_err(t["state"], ref_state) <= 1e-2
+    assert rel_err(out, ref) <= 1e-2
+
+
+def test_cuda_graph_replay_updates_state():
+    t = make(N=4, H=2, HV=4, K=128, V=128, P=8, layout="vk")
+    ref_state = t["state"].clone()
+    out = torch.empty_like(t["v"])
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        run_op("gdn", -1, dict(t, state=t["state"].clone()), gates="raw", layout="vk", out=out)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_op("gdn", -1, t, gates="raw", layout="vk", out=out)
+    for _ in range(3):
+        graph.replay()
+        ref_out = run_reference("gdn", t, ref_state, gates="raw", layout="vk")
+    torch.cuda.synchronize()
+    assert rel_err(t["state"], ref_state) <= 1e-4
+    assert rel_err(out, ref_out) <= 1e-2
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_the_fla_drop_in_on_the_gpu(kind):
+    t = make(N=6, H=2, HV=4, K=128, V=128, P=10, layout="vk", kda=kind == "kda")
+    t["idx"][3] = 0  # vLLM's null block
+    ref_state = t["state"].clone()
+    ref = run_reference(kind, t, ref_state, layout="vk", rule="nonpositive")
+    o, final = cudelta.fused_recurrent_gated_delta_rule(
+        t["q"][:, None], t["k"][:, None], t["v"][:, None], g=t["g"][:, None], beta=t["beta"][:, None],
+        initial_state=t["state"], inplace_final_state=True, ssm_state_indices=t["idx"],
+        use_qk_l2norm_in_kernel=True)
+    torch.cuda.synchronize()
+    assert final is t["state"] and o.shape == (6, 1, 4, 128)
+    assert rel_err(o[:, 0], ref) <= 1e-2 and rel_err(t["state"], ref_state) <= 1e-4
 
 
 def test_probe_reports_the_image_that_ran():
@@ -111,51 +284,4 @@ def test_probe_reports_the_image_that_ran():
     assert arch // 10 <= cc and arch > 0
     if (major, minor) == (9, 0):
         assert arch == 900 and arch_specific == 1  # the sm_90a cubin, not PTX or sm_80
-        # auto follows the measurements (kernels/probe.cu): register loads win on H200
-        assert chosen == _native.VARIANTS["generic"]
         assert torch.ops.cudelta.select_variant(0, _native.VARIANTS["sm90"], 32) == _native.VARIANTS["sm90"]
-
-
-def test_unknown_variant_is_refused_with_the_accepted_names():
-    args = make(N=2, H=2, HV=2, K=128, V=128, P=4, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="accepted: generic, sm80, sm90, sm90tma"):
-        run_variant(7, *args)
-
-
-def test_bad_argument_is_named():
-    q, k, v, g, beta, state, idx = make(N=2, H=2, HV=2, K=128, V=128, P=4, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="beta must be float32"):
-        torch.ops.cudelta.gdn_decode(q, k, v, g, beta.half(), state, idx, 0.1, True, -1)
-    with pytest.raises(RuntimeError, match="state must be"):
-        torch.ops.cudelta.gdn_decode(q, k, v, g, beta, state[:, :1], idx, 0.1, True, -1)
-
-
-def test_public_api_uses_the_kernel_and_traces_under_compile():
-    args = make(N=3, H=2, HV=4, K=128, V=128, P=6, dtype=torch.bfloat16)
-    q, k, v, g, beta, state, idx = args
-    ref_state = state.clone()
-    ref = gdn_decode_reference(q, k, v, g, beta, ref_state, idx)
-    compiled = torch.compile(cudelta.gdn_decode, fullgraph=True)
-    out = compiled(q, k, v, g, beta, state, idx)
-    torch.cuda.synchronize()
-    assert ((state - ref_state).abs().max() / ref_state.abs().max()).item() <= 1e-4
-    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() <= 1e-2
-
-
-def test_cuda_graph_replay_updates_state():
-    args = make(N=4, H=2, HV=4, K=128, V=128, P=8, dtype=torch.bfloat16)
-    q, k, v, g, beta, state, idx = args
-    ref_state = state.clone()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        run_variant(-1, q, k, v, g, beta, state.clone(), idx)  # warm-up on the side stream
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run_variant(-1, *args)
-    for _ in range(3):
-        graph.replay()
-        ref_out = gdn_decode_reference(q, k, v, g, beta, ref_state, idx, use_qk_l2norm=True)
-    torch.cuda.synchronize()
-    assert ((state - ref_state).abs().max() / ref_state.abs().max()).item() <= 1e-4
-    assert ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item() <= 1e-2
