@@ -88,7 +88,7 @@ def test_the_release_folder_is_complete_and_every_check_passed(dry_run, wheel):
     # The summary names every asset with its size and every check's verdict.
     for name in sums:
         assert re.search(rf"{re.escape(name)}\s+[\d.]+ [kM]B", printed), name
-    assert "wheel checks: 17 passed, 0 failed" in printed or f"{len(check_wheel.CHECK_NAMES)} passed, 0 failed" in printed
+    assert f"wheel checks: {len(check_wheel.CHECK_NAMES)} passed, 0 failed" in printed
 
 
 def test_auditwheel_and_the_symbols_say_manylinux_2_28(wheel, tmp_path):

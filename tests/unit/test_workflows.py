@@ -306,3 +306,35 @@ def test_the_release_runs_scripts_that_exist(wfs):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def _load_script(name):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_cell_refuses_a_wheel_tagged_for_another_arch(tmp_path):
+    import struct
+    import zipfile
+
+    build_cell = _load_script("build_cell")
+    elf_aarch64 = b"\x7fELF\x02\x01\x01" + bytes(11) + struct.pack("<H", 183) + bytes(40)
+    wheel = tmp_path / "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("cudelta/_C.abi3.so", elf_aarch64)
+    with pytest.raises(build_cell.CellError, match="library for aarch64, cell aarch64"):
+        build_cell.check_arch(wheel, "aarch64")  # the name says x86_64
+    with pytest.raises(build_cell.CellError, match="library for aarch64, cell x86_64"):
+        build_cell.check_arch(wheel, "x86_64")
+    good = wheel.with_name(wheel.name.replace("x86_64", "aarch64"))
+    wheel.rename(good)
+    build_cell.check_arch(good, "aarch64")
+
+
+def test_the_matrix_refuses_an_unknown_cell():
+    with pytest.raises(ValueError, match="no cell CUDA 12.4"):
+        matrix.cell("12.4", "x86_64")
+    assert matrix.main(["--cell", "13.0", "ppc64le"]) == 2
