@@ -76,7 +76,9 @@ def base_venv(name: str, packages: list[str]) -> Venv:
     wanted = "\n".join(packages)
     if stamp.is_file() and stamp.read_text() == wanted and (path / "bin" / "python").exists():
         return Venv(path)
-    env = make_venv(path)
+    # A changed list installs into the existing venv rather than recreating it: other test runs
+    # may be using it, and torch need not be unpacked again.
+    env = Venv(path) if (path / "bin" / "python").exists() else make_venv(path)
     env.pip("install", "-q", *packages, timeout=1800)
     stamp.write_text(wanted)
     return env
