@@ -131,7 +131,7 @@ def render(r: dict) -> str:
         lines.append(f"  asset   {c['asset']['asset']}  sha256 {c['asset']['sha256'][:16]}…")
     b = r["build_info"]
     if b:
-        lines.append(f"  build   {b['build']} {b['variant']}: CUDA {b['cuda_toolkit']}, cubins {', '.join(b['archs'])}"
+        lines.append(f"  build   {b['build']} {b['cuda_label']}: CUDA {b['cuda_toolkit']}, cubins {', '.join(b['archs'])}"
                      f", PTX {', '.join(b['ptx']) or 'none'}; torch {b['torch_built_with']} (floor {b['torch_floor']})"
                      f", git {b['git_revision']}")
     n = r["native"]

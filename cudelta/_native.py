@@ -7,7 +7,6 @@ the command that fixes it, never with `undefined symbol` from deep inside the lo
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import warnings
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from . import _build_record
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 VARIANTS = {"generic": 0, "sm80": 1, "sm90": 2, "sm90tma": 3}
@@ -46,11 +47,15 @@ def library_path() -> Optional[Path]:
     return found[0] if found else None
 
 
+# What the loader and `python -m cudelta` read of the build record (cudelta/_build_record.py).
+LOADER_NEEDS = ("cuda_toolkit", "torch_floor", "archs", "ptx")
+
+
 def read_build_info(path: Optional[Path] = None) -> Optional[dict]:
-    path = path or PACKAGE_DIR / "_build_info.json"
+    """The build record beside the library, as schema 2; None if missing or not a record."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return _build_record.read(path or PACKAGE_DIR / _build_record.FILENAME, LOADER_NEEDS)
+    except (OSError, ValueError):  # BuildRecordError is a ValueError
         return None
 
 
@@ -127,7 +132,7 @@ def _load() -> NativeStatus:
     if path is None:
         return NativeStatus(None, info, False, "no native library in this install (pure-Python wheel)")
     if info is None:
-        return NativeStatus(path, None, False, f"{path.name} has no _build_info.json beside it; reinstall: {REINSTALL}")
+        return NativeStatus(path, None, False, f"{path.name} has no readable {_build_record.FILENAME} beside it; reinstall: {REINSTALL}")
     problem = compatibility_problem(info, str(torch.__version__), torch.version.cuda, driver_cuda_version())
     if problem:
         return NativeStatus(path, info, False, problem)

@@ -14,11 +14,13 @@ got furthest explains the refusal, since its failing rule is the one the user is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from packaging.tags import Tag, compatible_tags, cpython_tags, generic_tags
 from packaging.version import InvalidVersion, Version
 
+from . import cuda
+from .cuda import covering_arch
 from .manifest import Asset, Manifest
 from .target import TargetEnv
 
@@ -32,51 +34,6 @@ class Choice:
     # No CUDA to match at all (CPU torch, macOS, CUDELTA_CUDA_VERSION=cpu): the build should
     # produce the pure-Python wheel, not compile.
     pure_python: bool = False
-
-
-# --------------------------------------------------------------------------------------------
-# GPU coverage
-
-
-def _parse_arch(arch: str) -> Tuple[str, int, int, str]:
-    """'sm_90a' -> ('sm', 9, 0, 'a'); 'compute_120' -> ('compute', 12, 0, '')."""
-    kind, _, rest = arch.partition("_")
-    suffix = rest[-1] if rest[-1:] in ("a", "f") else ""
-    digits = rest[: len(rest) - len(suffix)]
-    if kind not in ("sm", "compute") or not digits.isdigit() or len(digits) < 2:
-        raise ValueError(f"not a CUDA arch: {arch!r}")
-    number = int(digits)
-    return kind, number // 10, number % 10, suffix
-
-
-def arch_covers(arch: str, major: int, minor: int) -> bool:
-    """Whether code for `arch` runs on a GPU of compute capability major.minor.
-
-    sm_XY cubins run on X.y for y >= Y (same major); sm_XYa only on X.Y (arch-specific
-    features); sm_XYf on the family, X.y for y >= Y; PTX compute_XY is JIT-compiled for any
-    cc >= X.Y, while compute_XYa / compute_XYf PTX is bound like the cubin of the same suffix.
-    """
-    kind, a_major, a_minor, suffix = _parse_arch(arch)
-    if suffix == "a":
-        return (major, minor) == (a_major, a_minor)
-    if kind == "sm" or suffix == "f":
-        return major == a_major and minor >= a_minor
-    return (major, minor) >= (a_major, a_minor)
-
-
-def covering_arch(archs: Iterable[str], major: int, minor: int) -> Optional[str]:
-    """The image the driver would run on a major.minor GPU: a cubin before PTX (no JIT), the
-    nearest cc first, and at equal cc an arch-specific one before a family one before a plain
-    one (more features enabled). None if nothing covers it."""
-    best: Optional[Tuple[Tuple[int, int, int, int], str]] = None
-    for arch in archs:
-        if not arch_covers(arch, major, minor):
-            continue
-        kind, a_major, a_minor, suffix = _parse_arch(arch)
-        key = (int(kind == "sm"), a_major, a_minor, {"a": 2, "f": 1, "": 0}[suffix])
-        if best is None or key > best[0]:
-            best = (key, arch)
-    return best[1] if best else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,10 +96,6 @@ def target_tags(target: TargetEnv) -> List[Tag]:
 # The rules
 
 
-def _mm(t: Tuple[int, int]) -> str:
-    return f"{t[0]}.{t[1]}"
-
-
 @dataclass(frozen=True)
 class _Context:
     target: TargetEnv
@@ -185,9 +138,9 @@ def _rule_platform(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
     platform = asset.platform
     if t.os_name == "linux" and platform.startswith("manylinux_2_") and platform.endswith("_" + t.machine):
         need = platform[len("manylinux_2_"):].split("_", 1)[0]
-        have = f"glibc {_mm(t.glibc)}" if t.glibc else "no glibc (musl?)"
+        have = f"glibc {cuda.format_version(t.glibc)}" if t.glibc else "no glibc (musl?)"
         return f"{platform} needs glibc >= 2.{need}; this system has {have}", ""
-    system = f"{t.os_name} {t.machine}" + (f" glibc {_mm(t.glibc)}" if t.glibc else "")
+    system = f"{t.os_name} {t.machine}" + (f" glibc {cuda.format_version(t.glibc)}" if t.glibc else "")
     have = ", ".join(sorted({a.platform for a in ctx.assets}))
     return f"no prebuilt wheel for {system}: release {ctx.release} has {have} only", ""
 
@@ -195,7 +148,7 @@ def _rule_platform(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
 def _driver_desc(target: TargetEnv) -> str:
     assert target.driver_cuda is not None
     by = " by CUDELTA_DRIVER_CUDA" if target.driver_overridden else ""
-    return f"driver CUDA {_mm(target.driver_cuda)}{by}"
+    return f"driver CUDA {cuda.format_version(target.driver_cuda)}{by}"
 
 
 def _rule_driver(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
@@ -204,7 +157,7 @@ def _rule_driver(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
         return None, f"no driver visible, {asset.name} runs on drivers for CUDA >= {asset.driver_floor}"
     if driver >= asset.driver_floor_tuple:
         return None, _driver_desc(ctx.target)
-    return (f"the NVIDIA driver supports CUDA {_mm(driver)}, older than the {asset.driver_floor} "
+    return (f"the NVIDIA driver supports CUDA {cuda.format_version(driver)}, older than the {asset.driver_floor} "
             f"that {asset.name} needs (update the driver)"), ""
 
 

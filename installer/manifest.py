@@ -16,20 +16,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 from packaging.tags import Tag
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from . import cuda
 from .errors import InstallerError
 
 SCHEMA = 1
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_MAJOR_MINOR_RE = re.compile(r"(\d+)\.(\d+)")
-_CUBIN_RE = re.compile(r"sm_(\d{2,})([af]?)")
-_PTX_RE = re.compile(r"compute_(\d{2,})([af]?)")
+_MAJOR_MINOR_RE = re.compile(r"(\d+)\.(\d+)")  # a Python floor; CUDA versions are cuda.py's
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class Asset:
 
     @property
     def cuda_tuple(self) -> Tuple[int, int]:
-        return _major_minor(self.cuda)
+        return cuda.parse_version(self.cuda)
 
     @property
     def python_floor_tuple(self) -> Tuple[int, int]:
@@ -67,7 +66,12 @@ class Asset:
 
     @property
     def driver_floor_tuple(self) -> Tuple[int, int]:
-        return _major_minor(self.driver_floor)
+        return cuda.parse_version(self.driver_floor)
+
+    @property
+    def cuda_label(self) -> str:
+        """'cu130': the wheel's local version label and its PEP 503 index folder."""
+        return cuda.label(self.cuda_tuple)
 
     def describe_archs(self) -> str:
         """'sm_80, sm_90a, sm_100f, sm_120f + compute_120' for messages."""
@@ -126,22 +130,31 @@ def _field(obj: Dict[str, Any], key: str, where: str) -> Any:
     return obj[key]
 
 
-def _string(obj: Dict[str, Any], key: str, where: str, pattern: Optional[re.Pattern] = None,
+def _string(obj: Dict[str, Any], key: str, where: str, valid: Optional[Callable[[str], bool]] = None,
             expected: str = "a string") -> str:
     value = _field(obj, key, where)
-    if not isinstance(value, str) or (pattern is not None and not pattern.fullmatch(value)):
+    if not isinstance(value, str) or (valid is not None and not valid(value)):
         raise _bad(f"{where}.{key}", value, expected)
     return value
 
 
-def _string_list(obj: Dict[str, Any], key: str, where: str, pattern: re.Pattern, expected: str) -> Tuple[str, ...]:
+def _string_list(obj: Dict[str, Any], key: str, where: str, valid: Callable[[str], bool],
+                 expected: str) -> Tuple[str, ...]:
     value = _field(obj, key, where)
     if not isinstance(value, list):
         raise _bad(f"{where}.{key}", value, f"a list of {expected}")
     for i, item in enumerate(value):
-        if not isinstance(item, str) or not pattern.fullmatch(item):
+        if not isinstance(item, str) or not valid(item):
             raise _bad(f"{where}.{key}[{i}]", item, expected)
     return tuple(value)
+
+
+def _is_version(text: str) -> bool:
+    try:
+        cuda.parse_version(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_asset(obj: Any, where: str = "asset") -> Asset:
@@ -159,14 +172,14 @@ def parse_asset(obj: Any, where: str = "asset") -> Asset:
     asset = Asset(
         name=name,
         size=size,
-        sha256=_string(obj, "sha256", where, _SHA256_RE, "64 lowercase hex digits"),
-        cuda=_string(obj, "cuda", where, _MAJOR_MINOR_RE, mm),
+        sha256=_string(obj, "sha256", where, _SHA256_RE.fullmatch, "64 lowercase hex digits"),
+        cuda=_string(obj, "cuda", where, _is_version, mm),
         platform=_string(obj, "platform", where),
-        archs=_string_list(obj, "archs", where, _CUBIN_RE, "cubin archs like 'sm_90a'"),
-        ptx=_string_list(obj, "ptx", where, _PTX_RE, "PTX archs like 'compute_120'"),
+        archs=_string_list(obj, "archs", where, cuda.is_cubin, "cubin archs like 'sm_90a'"),
+        ptx=_string_list(obj, "ptx", where, cuda.is_ptx, "PTX archs like 'compute_120'"),
         torch_floor=_string(obj, "torch_floor", where),
-        python_floor=_string(obj, "python_floor", where, _MAJOR_MINOR_RE, "'major.minor', e.g. '3.10'"),
-        driver_floor=_string(obj, "driver_floor", where, _MAJOR_MINOR_RE, mm),
+        python_floor=_string(obj, "python_floor", where, _MAJOR_MINOR_RE.fullmatch, "'major.minor', e.g. '3.10'"),
+        driver_floor=_string(obj, "driver_floor", where, _is_version, mm),
     )
     try:
         Version(asset.torch_floor)
@@ -177,8 +190,8 @@ def parse_asset(obj: Any, where: str = "asset") -> Asset:
     platforms = {t.platform for t in tags}
     if asset.platform not in platforms:
         raise _bad(f"{where}.platform", asset.platform, f"the platform tag of its name ({', '.join(sorted(platforms))})")
-    label = re.fullmatch(r"cu(\d+)(\d)", version.local or "")
-    if label and f"{int(label.group(1))}.{int(label.group(2))}" != asset.cuda:
+    labelled = cuda.version_of_local(str(version))
+    if labelled and cuda.format_version(labelled) != asset.cuda:
         raise _bad(f"{where}.cuda", asset.cuda, f"the toolkit of its name's +{version.local} label")
     return asset
 

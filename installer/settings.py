@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 from urllib.parse import urlparse
 
+from . import cuda
 from .errors import SettingsError
 
 DEFAULT_RELEASE_URL = "https://github.com/cudelta/cudelta/releases/download/v{version}"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-_ARCH_RE = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$", re.IGNORECASE)
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -85,19 +84,24 @@ def parse_driver_cuda(name: str, raw: str) -> str:
     value = raw.strip().lower()
     if value in {"cpu", "none"}:
         return "cpu"
-    m = re.fullmatch(r"(?:cu)?(\d+)\.(\d+)", value) or re.fullmatch(r"(?:cu)?(\d{2})(\d)", value)
-    if not m:
+    try:
+        return cuda.format_version(cuda.parse_user_version(value))
+    except ValueError:
         raise SettingsError(
             f"{name}={raw!r} is not a CUDA version; accepted: 13.0, 130, cu130 (the CUDA version "
             "the target's NVIDIA driver supports, as nvidia-smi prints it) or cpu"
-        )
-    return f"{int(m.group(1))}.{int(m.group(2))}"
+        ) from None
 
 
-def parse_arch_list(name: str, raw: str) -> tuple[str, ...]:
-    """torch's TORCH_CUDA_ARCH_LIST syntax: '8.0;9.0a 10.0f+PTX' -> ('8.0', '9.0a', '10.0f+PTX')."""
-    items = [item for item in re.split(r"[;,\s]+", raw.strip()) if item]
-    bad = [item for item in items if not _ARCH_RE.match(item)]
+def parse_arch_list(name: str, raw: str) -> tuple[cuda.ArchTarget, ...]:
+    """torch's TORCH_CUDA_ARCH_LIST syntax: '8.0;9.0a 10.0f+PTX' -> the three targets, parsed once."""
+    items = cuda.split_arch_list(raw)
+    targets, bad = [], []
+    for item in items:
+        try:
+            targets.append(cuda.ArchTarget.parse(item))
+        except ValueError:
+            bad.append(item)
     if not items or bad:
         shown = ", ".join(repr(b) for b in bad) if bad else repr(raw)
         raise SettingsError(
@@ -105,13 +109,7 @@ def parse_arch_list(name: str, raw: str) -> tuple[str, ...]:
             "MAJOR.MINOR with an optional a/f suffix and +PTX, separated by ';' or spaces, "
             "e.g. '8.0;9.0a;12.0f+PTX'"
         )
-    return tuple(_normalise_arch(item) for item in items)
-
-
-def _normalise_arch(item: str) -> str:
-    m = _ARCH_RE.match(item)
-    assert m
-    return f"{int(m.group(1))}.{int(m.group(2))}{m.group(3).lower()}" + ("+PTX" if m.group(4) else "")
+    return tuple(targets)
 
 
 def parse_url(name: str, raw: str) -> str:
@@ -198,7 +196,7 @@ class Settings:
         "instead of the driver this build sees (none in an image build); `cpu`: the pure-Python "
         "wheel. `CUDELTA_CUDA_VERSION` is its old name.",
     )
-    cuda_archs: Optional[tuple] = _setting(
+    cuda_archs: Optional[tuple[cuda.ArchTarget, ...]] = _setting(
         "CUDELTA_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST", parse=parse_arch_list,
         doc="Archs of a local build, e.g. `8.0;9.0a+PTX` (default: the GPUs present; all "
         "release archs when none is).",

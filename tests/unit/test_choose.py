@@ -5,13 +5,12 @@ from packaging.tags import Tag
 
 from installer.choose import (
     Choice,
-    arch_covers,
     choose,
-    covering_arch,
     linux_platforms,
     target_platforms,
     target_tags,
 )
+from installer.cuda import arch_covers, covering_arch
 from installer.manifest import Asset, Manifest
 from installer.target import Gpu, TargetEnv
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from installer import detect as d
+from installer import driver, interpreter, toolchain, torch_files
 from installer.settings import Settings
 from installer.target import Gpu, TargetEnv
 
@@ -38,73 +39,73 @@ Build cuda_13.0.r13.0/compiler.36424714_0
 
 
 def test_parse_driver_version():
-    assert d.parse_driver_version(13000) == (13, 0)
-    assert d.parse_driver_version(12080) == (12, 8)
-    assert d.parse_driver_version(13020) == (13, 2)
-    assert d.parse_driver_version(0) is None
+    assert driver.parse_driver_version(13000) == (13, 0)
+    assert driver.parse_driver_version(12080) == (12, 8)
+    assert driver.parse_driver_version(13020) == (13, 2)
+    assert driver.parse_driver_version(0) is None
 
 
 def test_parse_nvcc_version():
-    assert d.parse_nvcc_version(NVCC_OUT) == "13.0"
-    assert d.parse_nvcc_version("Cuda compilation tools, release 12.8, V12.8.93") == "12.8"
-    assert d.parse_nvcc_version("command not found") is None
+    assert toolchain.parse_nvcc_version(NVCC_OUT) == "13.0"
+    assert toolchain.parse_nvcc_version("Cuda compilation tools, release 12.8, V12.8.93") == "12.8"
+    assert toolchain.parse_nvcc_version("command not found") is None
 
 
 def test_parse_torch_version_py():
-    assert d.parse_torch_version_py(VERSION_PY) == ("2.14.1+cu130", "13.0", None)
+    assert torch_files.parse_torch_version_py(VERSION_PY) == ("2.14.1+cu130", "13.0", None)
     cpu = "__version__ = '2.14.1+cpu'\ncuda = None\nhip = None\n"
-    assert d.parse_torch_version_py(cpu) == ("2.14.1+cpu", None, None)
+    assert torch_files.parse_torch_version_py(cpu) == ("2.14.1+cpu", None, None)
     rocm = "__version__ = '2.9.0+rocm6.4'\ncuda = None\nhip = '6.4.1'\n"
-    assert d.parse_torch_version_py(rocm) == ("2.9.0+rocm6.4", None, "6.4.1")
-    assert d.parse_torch_version_py("def (") == (None, None, None)
+    assert torch_files.parse_torch_version_py(rocm) == ("2.9.0+rocm6.4", None, "6.4.1")
+    assert torch_files.parse_torch_version_py("def (") == (None, None, None)
 
 
 def test_parse_torch_version_py_never_executes():
     text = "raise SystemExit('executed')\n__version__ = '2.14.1'\ncuda = '13.0'\n"
-    assert d.parse_torch_version_py(text) == ("2.14.1", "13.0", None)
+    assert torch_files.parse_torch_version_py(text) == ("2.14.1", "13.0", None)
 
 
 def test_parse_torch_cmake_abi():
-    assert d.parse_torch_cmake_abi('set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=1")') is True
-    assert d.parse_torch_cmake_abi('set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=0")') is False
-    assert d.parse_torch_cmake_abi("set(TORCH_INCLUDE_DIRS x)") is None
+    assert torch_files.parse_torch_cmake_abi('set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=1")') is True
+    assert torch_files.parse_torch_cmake_abi('set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=0")') is False
+    assert torch_files.parse_torch_cmake_abi("set(TORCH_INCLUDE_DIRS x)") is None
 
 
 def test_parse_libc10_abi():
-    assert d.parse_libc10_abi(b"\x7fELF....._ZN3c10NSt7__cxx1112basic_stringIcE...") is True
-    assert d.parse_libc10_abi(b"\x7fELF....._ZN3c106detail4SsE...") is False
-    assert d.parse_libc10_abi(b"not an elf") is None
+    assert torch_files.parse_libc10_abi(b"\x7fELF....._ZN3c10NSt7__cxx1112basic_stringIcE...") is True
+    assert torch_files.parse_libc10_abi(b"\x7fELF....._ZN3c106detail4SsE...") is False
+    assert torch_files.parse_libc10_abi(b"not an elf") is None
 
 
 def test_parse_glibc():
-    assert d.parse_glibc("glibc 2.36") == (2, 36)
-    assert d.parse_glibc("glibc 2.17") == (2, 17)
-    assert d.parse_glibc(None) is None
-    assert d.parse_glibc("musl 1.2") is None
+    assert interpreter.parse_glibc("glibc 2.36") == (2, 36)
+    assert interpreter.parse_glibc("glibc 2.17") == (2, 17)
+    assert interpreter.parse_glibc(None) is None
+    assert interpreter.parse_glibc("musl 1.2") is None
 
 
 def test_cuda_from_local_label():
-    assert d.cuda_from_local_label("2.14.1+cu130") == "13.0"
-    assert d.cuda_from_local_label("2.8.0+cu128") == "12.8"
-    assert d.cuda_from_local_label("2.14.1+cpu") is None
-    assert d.cuda_from_local_label("2.14.1") is None
+    assert torch_files.cuda_from_local_label("2.14.1+cu130") == "13.0"
+    assert torch_files.cuda_from_local_label("2.8.0+cu128") == "12.8"
+    assert torch_files.cuda_from_local_label("2.14.1+cpu") is None
+    assert torch_files.cuda_from_local_label("2.14.1") is None
 
 
 def test_parse_nvidia_smi():
     text = "0, NVIDIA H200, 9.0\n1, NVIDIA RTX PRO 6000 Blackwell, Server Edition, 12.0\n\nNo devices were found\n"
-    assert d.parse_nvidia_smi(text) == (
+    assert driver.parse_nvidia_smi(text) == (
         Gpu(0, "NVIDIA H200", 9, 0),
         Gpu(1, "NVIDIA RTX PRO 6000 Blackwell, Server Edition", 12, 0),
     )
-    assert d.parse_nvidia_smi("") == ()
+    assert driver.parse_nvidia_smi("") == ()
 
 
 def test_normalise_os_and_machine():
-    assert d.normalise_os("linux") == "linux" and d.normalise_os("win32") == "windows"
-    assert d.normalise_os("darwin") == "darwin"
-    assert d.normalise_machine("windows", "AMD64") == "x86_64"
-    assert d.normalise_machine("linux", "arm64") == "aarch64"
-    assert d.normalise_machine("darwin", "arm64") == "arm64"
+    assert interpreter.normalise_os("linux") == "linux" and interpreter.normalise_os("win32") == "windows"
+    assert interpreter.normalise_os("darwin") == "darwin"
+    assert interpreter.normalise_machine("windows", "AMD64") == "x86_64"
+    assert interpreter.normalise_machine("linux", "arm64") == "aarch64"
+    assert interpreter.normalise_machine("darwin", "arm64") == "arm64"
 
 
 def probe_doc(**changes):
@@ -120,23 +121,23 @@ def probe_doc(**changes):
 
 
 def test_parse_probe_json():
-    facts = d.parse_probe_json(probe_doc())
+    facts = interpreter.parse_probe_json(probe_doc())
     assert facts.python_version == (3, 11) and facts.glibc == (2, 36)
     assert facts.torch_dir == "/v/lib/torch" and not facts.free_threaded
-    ft = d.parse_probe_json(probe_doc(python_version=[3, 13], abiflags="t", gil_disabled=True, torch=None))
+    ft = interpreter.parse_probe_json(probe_doc(python_version=[3, 13], abiflags="t", gil_disabled=True, torch=None))
     assert ft.free_threaded and ft.abiflags == "t" and ft.torch_dir is None
     for bad in ["", "not json", json.dumps({"probe": 2}), probe_doc(python_version="3.11")]:
         with pytest.raises(ValueError):
-            d.parse_probe_json(bad)
+            interpreter.parse_probe_json(bad)
 
 
 def test_torch_facts_from_files_fallbacks():
-    facts = d.torch_facts_from_files(VERSION_PY, None, None, b"\x7fELF NSt7__cxx1112basic_string")
+    facts = torch_files.torch_facts_from_files(VERSION_PY, None, None, b"\x7fELF NSt7__cxx1112basic_string")
     assert (facts.version, facts.cuda, facts.cxx11_abi) == ("2.14.1+cu130", "13.0", True)
-    facts = d.torch_facts_from_files(None, "2.8.0+cu128", '-D_GLIBCXX_USE_CXX11_ABI=0', None)
+    facts = torch_files.torch_facts_from_files(None, "2.8.0+cu128", '-D_GLIBCXX_USE_CXX11_ABI=0', None)
     assert (facts.version, facts.cuda, facts.cxx11_abi) == ("2.8.0+cu128", "12.8", False)
     assert "package metadata" in facts.notes[0]
-    rocm = d.torch_facts_from_files("__version__ = '2.9.0+rocm6.4'\ncuda = None\nhip = '6.4'\n", None, None, None)
+    rocm = torch_files.torch_facts_from_files("__version__ = '2.9.0+rocm6.4'\ncuda = None\nhip = '6.4'\n", None, None, None)
     assert rocm.cuda is None and "ROCm" in rocm.notes[0]
 
 
@@ -190,7 +191,7 @@ def _env(**extra):
 
 
 def test_run_probe_sees_the_fake_torch_without_importing_it(venvs):
-    facts, err = d.run_probe(str(venvs["target"]))
+    facts, err = interpreter.run_probe(str(venvs["target"]))
     assert err is None
     assert facts.torch_dir == str(venvs["torch"]) and "__version__ = '2.14.1+cu130'" in facts.torch_version_py
     assert facts.python_version == tuple(sys.version_info[:2])
@@ -277,35 +278,48 @@ def test_broken_override_falls_back_with_a_note(tmp_path):
 
 def test_probe_timeout_is_a_note_not_an_exception(tmp_path):
     slow = _script(tmp_path / "python", "sleep 5\n")
-    facts, err = d.run_probe(str(slow), timeout=0.2)
+    facts, err = interpreter.run_probe(str(slow), timeout=0.2)
     assert facts is None and "did not answer" in err
-    facts, err = d.run_probe(str(tmp_path / "missing"))
+    facts, err = interpreter.run_probe(str(tmp_path / "missing"))
     assert facts is None and "could not be run" in err
 
 
 def test_in_process_probe_matches_this_interpreter():
-    facts = d.probe_in_process()
+    facts = interpreter.probe_in_process()
     assert facts.python_version == tuple(sys.version_info[:2]) and facts.torch_dir is None
 
 
 def test_nvcc_and_compiler_discovery(tmp_path):
     home = tmp_path / "cuda"
     (home / "bin").mkdir(parents=True)
+    (home / "lib64").mkdir()
+    (home / "lib64" / "libcudart.so").write_bytes(b"")
     _script(home / "bin" / "nvcc", "echo 'Cuda compilation tools, release 12.8, V12.8.93'\n")
-    assert d.probe_nvcc("linux", {"CUDA_HOME": str(home), "PATH": ""}) == ("12.8", None)
-    assert d.probe_nvcc("linux", {"CUDA_PATH": str(home), "PATH": ""}) == ("12.8", None)
-    version, note = d.probe_nvcc("linux", {"CUDA_HOME": str(tmp_path), "PATH": str(home / "bin")})
+    none = str(tmp_path / "no-cuda")
+    assert toolchain.probe_nvcc("linux", {"CUDA_HOME": str(home), "PATH": ""}, none) == ("12.8", None)
+    assert toolchain.probe_nvcc("linux", {"CUDA_PATH": str(home), "PATH": ""}, none) == ("12.8", None)
+    version, note = toolchain.probe_nvcc("linux", {"CUDA_HOME": str(tmp_path), "PATH": str(home / "bin")}, none)
     assert version is None and "has no bin/nvcc" in note
-    assert d.probe_nvcc("linux", {"PATH": str(home / "bin")}) == ("12.8", None)
+    assert toolchain.probe_nvcc("linux", {"PATH": str(home / "bin")}, none) == ("12.8", None)
+    # A wrapper on PATH (no runtime beside it): the default root is what the compile uses, so
+    # detection reports that one too.
+    wrapper = tmp_path / "wrapper-bin"
+    wrapper.mkdir()
+    _script(wrapper / "nvcc", "echo 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    assert toolchain.find_cuda("linux", {"PATH": str(wrapper)}, str(home))[0] == toolchain.CudaToolkit(
+        str(home / "bin" / "nvcc"), str(home))
+    assert toolchain.probe_nvcc("linux", {"PATH": str(wrapper)}, str(home)) == ("12.8", None)
+    assert toolchain.find_cuda("linux", {"PATH": str(wrapper)}, none)[0] == toolchain.CudaToolkit(
+        str(wrapper / "nvcc"), None)
 
     cxx = _script(tmp_path / "g++-13", 'echo "g++-13 (GCC) 13.2.0 args: $*"\necho second line\n')
-    assert d.probe_host_compiler({"CXX": f"{cxx} -m64", "PATH": ""}) == ("g++-13 (GCC) 13.2.0 args: -m64 --version", None)
-    compiler, note = d.probe_host_compiler({"PATH": str(tmp_path / "empty")})
+    assert toolchain.probe_host_compiler({"CXX": f"{cxx} -m64", "PATH": ""}) == ("g++-13 (GCC) 13.2.0 args: -m64 --version", None)
+    compiler, note = toolchain.probe_host_compiler({"PATH": str(tmp_path / "empty")})
     assert compiler is None and "c++ not found" in note
 
 
 def test_driver_probe_without_libcuda_is_a_note():
-    facts = d.probe_driver("darwin")
+    facts = driver.probe_driver("darwin")
     assert facts.driver_cuda is None and facts.gpus == () and not facts.failed
 
 

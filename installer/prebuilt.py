@@ -1,0 +1,76 @@
+"""The fetch path: the trusted manifest, the choice, the download and its check, the retagged wheel.
+
+`install_prebuilt` puts a verified prebuilt wheel, renamed to the sdist's version (pip insists),
+into the dist folder; or says that the pure-Python wheel is the answer; or says why there is
+none, which the caller turns into a compile (or an error under CUDELTA_NO_BUILD).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+from .choose import choose
+from .errors import FetchError, VerificationError
+from .fetch import Fetcher, asset_url, display_url
+from .log import say
+from .manifest import Manifest, loads_manifest, parse_manifest
+from .settings import Settings
+from .target import TargetEnv
+from .wheel_version import public_version, retag_version
+
+MANIFEST_NAME = "manifest.json"
+EMBEDDED_MANIFEST = Path(__file__).resolve().parent / "release_manifest.json"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # "installed" | "pure" (build the pure-Python wheel) | "none"
+    why_not: Optional[str] = None  # for "none": why no prebuilt wheel was used
+
+
+def trusted_manifest(settings: Settings, fetcher: Fetcher, base: str) -> Tuple[Manifest, str]:
+    """The manifest downloads are verified against, and which one it is (said in the log).
+
+    The release's sdist embeds it: PyPI served and hashed that file, so a replaced GitHub asset
+    or a hostile mirror cannot pass. A downloaded one is trusted only where there is no embedded
+    one (a git checkout) or the user opts in for a private mirror of their own builds.
+    """
+    if EMBEDDED_MANIFEST.is_file() and not settings.trust_downloaded_manifest:
+        manifest = loads_manifest(EMBEDDED_MANIFEST.read_text())
+        say(f"trusting the release manifest embedded in this sdist (release {manifest.version}, "
+            f"{len(manifest.assets)} assets)")
+        return manifest, "manifest embedded in the sdist"
+    why = ("CUDELTA_TRUST_DOWNLOADED_MANIFEST=1" if EMBEDDED_MANIFEST.is_file()
+           else "no manifest embedded in this source tree")
+    manifest = parse_manifest(fetcher.fetch_json(base, MANIFEST_NAME))
+    say(f"trusting {MANIFEST_NAME} downloaded from the release URL ({why})")
+    return manifest, f"{MANIFEST_NAME} downloaded from the release URL"
+
+
+def install_prebuilt(settings: Settings, target: TargetEnv, version: str, dist_dir: Path) -> Outcome:
+    base = settings.release_url(version)
+    fetcher = Fetcher(settings)
+    try:
+        manifest, trusted = trusted_manifest(settings, fetcher, base)
+    except FetchError as exc:
+        return Outcome("none", f"release manifest unavailable: {exc}")
+    choice = choose(manifest, target, version)
+    say(choice.reason)
+    if choice.pure_python:
+        return Outcome("pure")
+    if choice.asset is None:
+        return Outcome("none", "no asset matches")
+    asset = choice.asset
+    try:
+        path = fetcher.fetch_asset(base, asset.name, asset.sha256, asset.size)
+    except VerificationError:
+        raise  # a corrupt or tampered asset is an error, never a reason to quietly compile
+    except FetchError as exc:
+        return Outcome("none", f"download failed: {exc}")
+    source = {"asset": asset.name, "sha256": asset.sha256, "url": display_url(asset_url(base, asset.name)),
+              "manifest": trusted}
+    out = retag_version(Path(path), public_version(version), dist_dir, extra_dist_info=source)
+    say(f"installing prebuilt {asset.name} (sha256 verified against the {trusted}) as {out.name}")
+    return Outcome("installed")
