@@ -1,0 +1,103 @@
+"""The build record contract (cudelta/_build_record.py): a record from the real writer, through every
+reader; and the older spelling the readers still accept."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from wheel.wheelfile import WheelFile
+
+from installer import build_record, native, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+VERSION = "0.1.0"
+RELEASE_WHEEL = f"cudelta-{VERSION}+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
+
+
+def _script(name: str):
+    """scripts/ is not a package: load a script by path, once (the tests of each script do the same)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _release_wheel(folder: Path, record_text: str) -> Path:
+    """A release wheel as the release build leaves it, with the record where the build writes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RELEASE_WHEEL
+    info = f"cudelta-{VERSION}+cu130.dist-info"
+    with WheelFile(path, "w") as wf:
+        wf.writestr("cudelta/__init__.py", "")
+        wf.writestr("cudelta/_C.abi3.so", b"\x7fELF" + bytes(60))
+        wf.writestr(f"cudelta/{build_record.FILENAME}", record_text)
+        wf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: cudelta\nVersion: {VERSION}+cu130\n")
+        wf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\n"
+                                     "Tag: cp310-abi3-manylinux_2_28_x86_64\n")
+    return path
+
+
+def test_a_real_record_passes_every_reader(tmp_path):
+    torch = pytest.importorskip("torch")  # the run-time loader imports it
+    record = build_record.build_record(
+        version=VERSION, toolkit="13.0", archs=plan.release_targets(), torch_version="2.14.1+cu130",
+        torch_floor=native.TORCH_FLOOR, kind="release", compressed=True, revision=build_record.git_revision())
+    assert record["schema"] == build_record.SCHEMA and record["cuda_label"] == "cu130"
+
+    # What the build writes: the file beside the library, and the copy compiled into it.
+    package = tmp_path / "build_lib" / "cudelta"
+    written = build_record.write_file(record, package)
+    header = build_record.write_header(record, tmp_path / "generated").read_text()
+    embedded = re.search(r'R"cudelta\((.*)\)cudelta"', header).group(1)
+    assert build_record.loads(embedded) == record
+
+    # The run-time loader, before dlopen.
+    from cudelta import _native
+
+    info = _native.read_build_info(written)
+    assert info == record
+    assert _native.compatibility_problem(info, "2.14.1+cu130", "13.0", (13, 0)) is None
+    assert _native.driver_floor(info) == (13, 0)
+    assert "CPU build" in _native.compatibility_problem(info, str(torch.__version__), None, (13, 0))
+
+    # The release tooling: the manifest, validated by the installer's own parser.
+    wheel = _release_wheel(tmp_path / "dist", written.read_text())
+    manifest = _script("make_release").make_release(VERSION, tmp_path / "release", [wheel])
+    (asset,) = manifest.assets
+    assert (asset.cuda, asset.cuda_label, asset.driver_floor) == ("13.0", record["cuda_label"], record["driver_floor"])
+    assert (list(asset.archs), list(asset.ptx)) == (record["archs"], record["ptx"])
+    assert (asset.torch_floor, asset.python_floor) == (record["torch_floor"], record["python_floor"])
+
+    # The wheel checks that read the record.
+    cw = _script("check_wheel")
+    checker = cw.WheelChecker(wheel, tmp_path / "unpacked", cuobjdump="/nonexistent")
+    for check in ("version_label", "build_info"):
+        ok, detail, _ = getattr(checker, "check_" + check)()
+        assert ok, (check, detail)
+
+
+def test_schema_1_records_are_read_as_schema_2():
+    # Wheels built before the schema field: the CUDA label was under "variant".
+    old = {"version": VERSION, "variant": "cu129", "cuda_toolkit": "12.9", "archs": ["sm_80"], "ptx": [],
+           "torch_floor": "2.10"}
+    record = build_record.parse(old, required=("cuda_label", "cuda_toolkit", "archs"))
+    assert record["schema"] == build_record.SCHEMA and record["cuda_label"] == "cu129"
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"schema": 3}, "schema 3"),
+    ({"schema": 2, "archs": "sm_80"}, "lacks version"),
+    ({"schema": 2}, "lacks version"),
+    ([], "not a JSON object"),
+])
+def test_what_is_not_a_record_is_refused_by_name(data, message):
+    with pytest.raises(build_record.BuildRecordError, match=re.escape(message)):
+        build_record.parse(data)
+    with pytest.raises(build_record.BuildRecordError, match="archs is 'sm_80'"):
+        build_record.parse({"archs": "sm_80"}, required=())
