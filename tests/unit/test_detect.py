@@ -13,7 +13,10 @@ from installer import driver, interpreter, toolchain, torch_files
 from installer.settings import Settings
 from installer.target import Gpu, TargetEnv
 
-CU_PYTHON = Path("/work/venvs/cu/bin/python")
+# The base venv with torch 2.14.1+cu130 that the build and e2e tests make (tests/envs.py base_cu),
+# when a previous run left it in the cache; this test does not make it.
+CU_PYTHON = (Path(os.environ.get("CUDELTA_TEST_CACHE", Path(__file__).resolve().parents[2] / ".ci-cache"))
+             / "venvs" / f"cu-py{sys.version_info.major}.{sys.version_info.minor}" / "bin" / "python")
 
 VERSION_PY = """\
 from typing import Optional
@@ -323,7 +326,7 @@ def test_driver_probe_without_libcuda_is_a_note():
     assert facts.driver_cuda is None and facts.gpus == () and not facts.failed
 
 
-@pytest.mark.skipif(not CU_PYTHON.exists(), reason="needs the torch 2.14.1+cu130 venv of the dev machine")
+@pytest.mark.skipif(not CU_PYTHON.exists(), reason="needs the torch 2.14.1+cu130 base venv of the build tests")
 def test_detect_real_torch_venv_is_fast():
     d.detect(Settings(target_python=CU_PYTHON))  # warm the page cache
     started = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The PyTorch reference against a per-request, per-head float64 loop written straight from DESIGN.md."""
+"""The PyTorch reference against a per-request, per-head float64 loop written straight from the decode
+step in ARCHITECTURE.md."""
 
 import math
 
