@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import subprocess
@@ -108,7 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--src", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
-        return run(args.out.resolve(), args.python or default_python(), args.src)
+        # abspath, not resolve(): a venv's python is a symlink whose target is outside the venv.
+        python = os.path.abspath(args.python) if args.python else default_python()
+        return run(args.out.resolve(), python, args.src)
     except (build_cell.CellError, assemble_release.AssembleError) as exc:
         print(f"dry_run: error: {exc}", file=sys.stderr)
         return 1
