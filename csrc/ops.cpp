@@ -18,7 +18,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../kernels/launch.h"
@@ -29,6 +31,30 @@ namespace {
 
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
+
+// Error messages are assembled with std::to_string, never by streaming numbers: on torch 2.11
+// (H100, 2026-11-23) a number streamed into STD_TORCH_CHECK's std::ostringstream from this library
+// crashed inside std::basic_ostream::_M_insert<long> (cuda-gdb backtrace; the process died with
+// SIGSEGV instead of raising), while messages without numbers raised normally.
+inline void append(std::string& s, const char* x) { s += x; }
+inline void append(std::string& s, const std::string& x) { s += x; }
+inline void append(std::string& s, char x) { s += x; }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+inline void append(std::string& s, T x) {
+  s += std::to_string(x);
+}
+
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::string msg;
+  (append(msg, parts), ...);
+  throw std::runtime_error(msg);
+}
+
+#define CUDELTA_CHECK(cond, ...) \
+  do {                           \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
 
 const char* dtype_name(ScalarType t) {
   switch (t) {
@@ -53,21 +79,21 @@ std::string fix_command(int cc) {
          " pip install --no-cache-dir --force-reinstall cudelta";
 }
 
-Variant select(int device, int64_t requested, int64_t heads, ImageInfo* info) {
+Variant select(int device, int64_t requested, int64_t heads, ImageInfo* info, bool state_vk = false) {
   const int err = probe_image(device, info);
   if (err != 0) {
     const int cc = device_compute_capability(device);
-    STD_TORCH_CHECK(cc > 0, "cudelta: cannot read the compute capability of CUDA device ", device);
-    STD_TORCH_CHECK(false, "cudelta: this build has no kernel image for CUDA device ", device, " (compute ", cc / 10,
+    CUDELTA_CHECK(cc > 0, "cudelta: cannot read the compute capability of CUDA device ", device);
+    CUDELTA_CHECK(false, "cudelta: this build has no kernel image for CUDA device ", device, " (compute ", cc / 10,
                     ".", cc % 10, "): ", cuda_error_string(err), ". Built for ", kBuildArchs,
                     ". Build for this GPU with: ", fix_command(cc));
   }
-  if (requested < 0) return auto_variant(info->cuda_arch, heads);
-  STD_TORCH_CHECK(requested < kNumVariants, "cudelta: kernel variant ", requested,
+  if (requested < 0) return auto_variant(info->cuda_arch, heads, state_vk);
+  CUDELTA_CHECK(requested < kNumVariants, "cudelta: kernel variant ", requested,
                   " does not exist; accepted: generic, sm80, sm90, sm90tma (CUDELTA_KERNEL_VARIANT)");
   const auto v = static_cast<Variant>(requested);
   const int cc = info->compute_capability;
-  STD_TORCH_CHECK(variant_min_arch(v) <= info->cuda_arch, "cudelta: kernel variant ", variant_name(v),
+  CUDELTA_CHECK(variant_min_arch(v) <= info->cuda_arch, "cudelta: kernel variant ", variant_name(v),
                   " needs an sm_", variant_min_arch(v) / 10, "+ image, but CUDA device ", device, " (compute ",
                   cc / 10, ".", cc % 10, ") runs the sm_", info->cuda_arch / 10,
                   " image; variants it can run: generic", info->cuda_arch >= 800 ? ", sm80" : "",
@@ -76,8 +102,8 @@ Variant select(int device, int64_t requested, int64_t heads, ImageInfo* info) {
 }
 
 void check_cuda(const char* op, const Tensor& t, const char* name, int device) {
-  STD_TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.get_device_index() == device, op, ": ", name, " is on cuda:", t.get_device_index(),
+  CUDELTA_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
+  CUDELTA_CHECK(t.get_device_index() == device, op, ": ", name, " is on cuda:", t.get_device_index(),
                   " but q is on cuda:", device, "; all tensors must be on one device");
 }
 
@@ -87,7 +113,7 @@ DType float_dtype(const char* op, const char* name, ScalarType t) {
     case ScalarType::Half: return DType::kFloat16;
     case ScalarType::BFloat16: return DType::kBFloat16;
     default:
-      STD_TORCH_CHECK(false, op, ": ", name, " has dtype ", dtype_name(t), "; accepted: bfloat16, float16, float32");
+      CUDELTA_CHECK(false, op, ": ", name, " has dtype ", dtype_name(t), "; accepted: bfloat16, float16, float32");
   }
   return DType::kFloat32;
 }
@@ -101,13 +127,13 @@ void check_gate(const char* op, const Tensor& t, const char* name, int64_t N, in
   const bool shape_ok = per_channel ? (t.dim() == 3 && t.size(0) == N && t.size(1) == HV && t.size(2) == K)
                                     : (t.dim() == 2 && t.size(0) == N && t.size(1) == HV);
   if (per_channel) {
-    STD_TORCH_CHECK(shape_ok, op, ": ", name, " must be per-channel [N, HV, K] = [", N, ", ", HV, ", ", K,
+    CUDELTA_CHECK(shape_ok, op, ": ", name, " must be per-channel [N, HV, K] = [", N, ", ", HV, ", ", K,
                     "], got ", shape_of(t));
   } else {
-    STD_TORCH_CHECK(shape_ok, op, ": ", name, " must be [N, HV] = [", N, ", ", HV, "], got ", shape_of(t),
+    CUDELTA_CHECK(shape_ok, op, ": ", name, " must be [N, HV] = [", N, ", ", HV, "], got ", shape_of(t),
                     t.dim() == 3 ? " (per-channel gates are kda_decode)" : "");
   }
-  STD_TORCH_CHECK(t.stride(t.dim() - 1) == 1 || t.size(t.dim() - 1) == 1, op, ": the last dim of ", name,
+  CUDELTA_CHECK(t.stride(t.dim() - 1) == 1 || t.size(t.dim() - 1) == 1, op, ": the last dim of ", name,
                   " must be contiguous");
   float_dtype(op, name, t.scalar_type());
 }
@@ -115,9 +141,9 @@ void check_gate(const char* op, const Tensor& t, const char* name, int64_t N, in
 void check_param(const char* op, const Tensor& t, const char* name, int64_t HV, int64_t K, bool per_channel) {
   const bool shape_ok = per_channel ? (t.dim() == 2 && t.size(0) == HV && t.size(1) == K)
                                     : (t.dim() == 1 && t.size(0) == HV);
-  STD_TORCH_CHECK(shape_ok, op, ": ", name, " must be ", per_channel ? "[HV, K] = [" : "[HV] = [", HV,
+  CUDELTA_CHECK(shape_ok, op, ": ", name, " must be ", per_channel ? "[HV, K] = [" : "[HV] = [", HV,
                   per_channel ? ", " + std::to_string(K) : std::string(), "], got ", shape_of(t));
-  STD_TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  CUDELTA_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
   float_dtype(op, name, t.scalar_type());
 }
 
@@ -126,7 +152,7 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
             const std::optional<Tensor>& A_log, const std::optional<Tensor>& dt_bias, const Tensor& state,
             const Tensor& idx, const Tensor& out, double scale, bool use_qk_l2norm, int64_t layout, int64_t min_slot,
             int64_t variant, bool per_channel) {
-  STD_TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor");
+  CUDELTA_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor");
   const int device = q.get_device_index();
   for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {v, "v"}, {state, "state"}, {idx, "idx"},
                          {out, "out"}}) {
@@ -136,68 +162,68 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
                          {b, "b"}, {A_log, "A_log"}, {dt_bias, "dt_bias"}}) {
     if (t.has_value()) check_cuda(op, *t, name, device);
   }
-  STD_TORCH_CHECK(q.dim() == 3, op, ": q must be [N, H, K], got shape ", shape_of(q));
+  CUDELTA_CHECK(q.dim() == 3, op, ": q must be [N, H, K], got shape ", shape_of(q));
   const int64_t N = q.size(0), H = q.size(1), K = q.size(2);
-  STD_TORCH_CHECK(k.dim() == 3 && k.size(0) == N && k.size(1) == H && k.size(2) == K,
+  CUDELTA_CHECK(k.dim() == 3 && k.size(0) == N && k.size(1) == H && k.size(2) == K,
                   op, ": k must have q's shape ", shape_of(q), ", got ", shape_of(k));
-  STD_TORCH_CHECK(v.dim() == 3 && v.size(0) == N, op, ": v must be [N, HV, V] with N=", N, ", got ",
+  CUDELTA_CHECK(v.dim() == 3 && v.size(0) == N, op, ": v must be [N, HV, V] with N=", N, ", got ",
                   shape_of(v));
   const int64_t HV = v.size(1), V = v.size(2);
-  STD_TORCH_CHECK(H > 0 && HV % H == 0, op, ": v's head count HV=", HV,
+  CUDELTA_CHECK(H > 0 && HV % H == 0, op, ": v's head count HV=", HV,
                   " must be a multiple of q's head count H=", H);
   const DType dt = float_dtype(op, "q", q.scalar_type());
-  STD_TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+  CUDELTA_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                   op, ": q, k, v must share one dtype; got q ", dtype_name(q.scalar_type()), ", k ",
                   dtype_name(k.scalar_type()), ", v ", dtype_name(v.scalar_type()));
-  STD_TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+  CUDELTA_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
                   op, ": the last dim of q, k and v must be contiguous");
-  STD_TORCH_CHECK(head_dim_ok(K), op, ": head dim K=", K, " is not supported; accepted: 64, 128, 256");
-  STD_TORCH_CHECK(head_dim_ok(V), op, ": head dim V=", V, " is not supported; accepted: 64, 128, 256");
+  CUDELTA_CHECK(head_dim_ok(K), op, ": head dim K=", K, " is not supported; accepted: 64, 128, 256");
+  CUDELTA_CHECK(head_dim_ok(V), op, ": head dim V=", V, " is not supported; accepted: 64, 128, 256");
 
   // Gates: exactly one of g and the raw (a, A_log, dt_bias); exactly one of beta and b.
-  STD_TORCH_CHECK(g.has_value() != a.has_value(), op, ": pass either g or the raw gate a (with A_log, dt_bias)",
+  CUDELTA_CHECK(g.has_value() != a.has_value(), op, ": pass either g or the raw gate a (with A_log, dt_bias)",
                   g.has_value() ? ", not both" : "");
-  STD_TORCH_CHECK(beta.has_value() != b.has_value(), op, ": pass exactly one of beta and the raw b");
+  CUDELTA_CHECK(beta.has_value() != b.has_value(), op, ": pass exactly one of beta and the raw b");
   const bool gate_raw = a.has_value();
   const Tensor& gate = gate_raw ? *a : *g;
   check_gate(op, gate, gate_raw ? "a" : "g", N, HV, K, per_channel);
   if (gate_raw) {
-    STD_TORCH_CHECK(A_log.has_value() && dt_bias.has_value(), op, ": the raw gate a needs A_log and dt_bias");
+    CUDELTA_CHECK(A_log.has_value() && dt_bias.has_value(), op, ": the raw gate a needs A_log and dt_bias");
     check_param(op, *A_log, "A_log", HV, K, false);
     check_param(op, *dt_bias, "dt_bias", HV, K, per_channel);
   } else {
-    STD_TORCH_CHECK(!A_log.has_value() && !dt_bias.has_value(), op,
+    CUDELTA_CHECK(!A_log.has_value() && !dt_bias.has_value(), op,
                     ": A_log and dt_bias belong to the raw gate a; with g pass neither");
   }
   const Tensor& bt = beta.has_value() ? *beta : *b;
   check_gate(op, bt, beta.has_value() ? "beta" : "b", N, HV, K, false);
 
-  STD_TORCH_CHECK(layout == 0 || layout == 1, op, ": layout ", layout, " does not exist; accepted: 0 (kv), 1 (vk)");
+  CUDELTA_CHECK(layout == 0 || layout == 1, op, ": layout ", layout, " does not exist; accepted: 0 (kv), 1 (vk)");
   const bool vk = layout == 1;
-  STD_TORCH_CHECK(state.scalar_type() == ScalarType::Float || state.scalar_type() == ScalarType::BFloat16, op,
+  CUDELTA_CHECK(state.scalar_type() == ScalarType::Float || state.scalar_type() == ScalarType::BFloat16, op,
                   ": state has dtype ", dtype_name(state.scalar_type()), "; accepted: float32, bfloat16");
   const int64_t d2 = vk ? V : K, d3 = vk ? K : V;
-  STD_TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == d2 && state.size(3) == d3, op,
+  CUDELTA_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == d2 && state.size(3) == d3, op,
                   ": state must be [P, HV, ", vk ? "V, K" : "K, V", "] = [P, ", HV, ", ", d2, ", ", d3,
                   "] for layout ", vk ? "vk" : "kv", ", got ", shape_of(state));
-  STD_TORCH_CHECK(state.is_contiguous(), op, ": state must be contiguous");
-  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(state.data_ptr()) % 16 == 0,
+  CUDELTA_CHECK(state.is_contiguous(), op, ": state must be contiguous");
+  CUDELTA_CHECK(reinterpret_cast<uintptr_t>(state.data_ptr()) % 16 == 0,
                   op, ": state must be 16-byte aligned (a view starting mid-row is not)");
-  STD_TORCH_CHECK(idx.scalar_type() == ScalarType::Int || idx.scalar_type() == ScalarType::Long,
+  CUDELTA_CHECK(idx.scalar_type() == ScalarType::Int || idx.scalar_type() == ScalarType::Long,
                   op, ": idx must be int32 or int64, got ", dtype_name(idx.scalar_type()));
-  STD_TORCH_CHECK(idx.dim() == 1 && idx.size(0) == N && idx.is_contiguous(),
+  CUDELTA_CHECK(idx.dim() == 1 && idx.size(0) == N && idx.is_contiguous(),
                   op, ": idx must be a contiguous [N] = [", N, "] tensor, got ", shape_of(idx));
-  STD_TORCH_CHECK(min_slot == 0 || min_slot == 1, op, ": min_slot ", min_slot,
+  CUDELTA_CHECK(min_slot == 0 || min_slot == 1, op, ": min_slot ", min_slot,
                   " is not accepted; accepted: 0 (invalid_slot='negative'), 1 ('nonpositive')");
-  STD_TORCH_CHECK(out.scalar_type() == v.scalar_type(), op, ": out must have v's dtype ",
+  CUDELTA_CHECK(out.scalar_type() == v.scalar_type(), op, ": out must have v's dtype ",
                   dtype_name(v.scalar_type()), ", got ", dtype_name(out.scalar_type()));
-  STD_TORCH_CHECK(out.dim() == 3 && out.size(0) == N && out.size(1) == HV && out.size(2) == V &&
+  CUDELTA_CHECK(out.dim() == 3 && out.size(0) == N && out.size(1) == HV && out.size(2) == V &&
                       out.stride(2) == 1,
                   op, ": out must be [N, HV, V] = [", N, ", ", HV, ", ", V,
                   "] with a contiguous last dim, got ", shape_of(out));
 
   ImageInfo info{};
-  const Variant chosen = select(device, variant, N * HV, &info);
+  const Variant chosen = select(device, variant, N * HV, &info, vk);
 
   GdnDecodeParams p{};
   p.q = q.data_ptr();
@@ -251,7 +277,7 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   void* stream = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
   const int err = launch_gdn_decode(p, chosen, stream);
-  STD_TORCH_CHECK(err == 0, op, ": kernel launch failed: ", cuda_error_string(err));
+  CUDELTA_CHECK(err == 0, op, ": kernel launch failed: ", cuda_error_string(err));
 }
 
 void gdn_decode(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optional<Tensor> beta,
@@ -277,7 +303,7 @@ int64_t select_variant(int64_t device, int64_t requested, int64_t heads) {
 
 std::vector<int64_t> probe(int64_t device) {
   const int cc = device_compute_capability(static_cast<int>(device));
-  STD_TORCH_CHECK(cc > 0, "cudelta.probe: no CUDA device ", device);
+  CUDELTA_CHECK(cc > 0, "cudelta.probe: no CUDA device ", device);
   ImageInfo info{};
   const int err = probe_image(static_cast<int>(device), &info);
   if (err != 0) return {cc, 0, 0, 0, -1};  // no image: the caller reports it with the built archs

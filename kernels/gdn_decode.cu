@@ -101,6 +101,42 @@ struct Vec4<__nv_bfloat16> {
   }
 };
 
+// --- 16-byte state chunks: 4 fp32 or 8 bf16 (the vk kernel's unit) ----------------------------
+template <typename ST>
+struct Chunk;
+template <>
+struct Chunk<float> {
+  static constexpr int E = 4;
+  using Raw = float4;
+  static __device__ __forceinline__ void widen(const float4& r, float* x) {
+    x[0] = r.x; x[1] = r.y; x[2] = r.z; x[3] = r.w;
+  }
+  static __device__ __forceinline__ float4 narrow(const float* x) { return make_float4(x[0], x[1], x[2], x[3]); }
+};
+template <>
+struct Chunk<__nv_bfloat16> {
+  static constexpr int E = 8;
+  using Raw = uint4;
+  static __device__ __forceinline__ void widen(const uint4& r, float* x) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  }
+  static __device__ __forceinline__ uint4 narrow(const float* x) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+      w[i] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -200,13 +236,13 @@ struct QkScales {
   float qk;  // (k . q) after scaling, for o = h'^T q + u (k . q)
 };
 
-template <int K>
+template <int K, int THREADS = kThreads>
 __device__ __forceinline__ QkScales load_qk(const GdnDecodeParams& p, int64_t n, int64_t h, float* qs, float* ks,
                                             float (*red3)[3]) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int64_t qo = n * p.q_stride_n + h * p.q_stride_h, ko = n * p.k_stride_n + h * p.k_stride_h;
   float sqq = 0.f, skk = 0.f, sqk = 0.f;
-  for (int i = t; i < K; i += kThreads) {
+  for (int i = t; i < K; i += THREADS) {
     const float qv = load_f(p.q, p.dtype, qo + i);
     const float kv = load_f(p.k, p.dtype, ko + i);
     qs[i] = qv;
@@ -226,7 +262,7 @@ __device__ __forceinline__ QkScales load_qk(const GdnDecodeParams& p, int64_t n,
   __syncthreads();
   sqq = skk = sqk = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < THREADS / 32; ++w) {
     sqq += red3[w][0];
     skk += red3[w][1];
     sqk += red3[w][2];
@@ -441,23 +477,40 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_kv_kernel(const G
 }
 
 // ---------------------------------------------------------------------------------------------
-// Layout "vk": the block's tile is 32 contiguous rows (one per value column) of K elements. LPR
-// lanes share a row, each holding CPL consecutive 4-element chunks of it; pass j of thread t is
-// row t / LPR + RPP * j.
-template <int K, typename ST, Load LD, int MIN_BLOCKS, bool PER_CHANNEL>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_vk_kernel(const GdnDecodeParams p) {
-  using V4 = Vec4<ST>;
-  using Raw = typename V4::Raw;
-  constexpr int BV = kTileV;
-  constexpr int LPR = K / 4 < 32 ? K / 4 : 32;  // lanes per row
-  constexpr int CPL = K / 4 / LPR;              // chunks per lane in a row
-  constexpr int RPP = kThreads / LPR;           // rows per pass of the block
-  constexpr int NP = BV / RPP;                  // passes
-  constexpr int KC = K / 4;                     // chunks per row
+// Layout "vk": the block's tile is 32 contiguous rows (one per value column) of K elements, moved
+// in 16-byte chunks (4 fp32 or 8 bf16). LPR lanes share a row, each holding CPL consecutive chunks
+// of it, so the reduction over k is a shuffle within the warp. The block is sized so that each
+// thread holds 16 chunks (256 bytes) of state: what bounds this kernel is the bytes in flight per
+// SM (ncu, H100, B=256: 128-thread blocks of 8 chunks each reached 66% of DRAM bandwidth at 5 blocks
+// per SM, register-limited), and fewer threads per tile with more state each keeps as many
+// blocks, so as many tiles, for small batches. A batch too small to fill the GPU once takes a
+// second build, 4 chunks per thread: there the time is latency, and a thread's 16 passes of
+// shuffles cost more than the bandwidth gained (H100, B=1: 8.0 us at 16 chunks, 5.3 at 4).
+constexpr int kVkChunks = 16;
+constexpr int kVkChunksSmallBatch = 4;
+
+template <int K, typename ST, int CHUNKS = kVkChunks>
+struct VkShape {
+  static constexpr int E = Chunk<ST>::E;
+  static constexpr int KC = K / E;                                                  // chunks per row
+  static constexpr int T = kTileV * KC / CHUNKS > 32 ? kTileV * KC / CHUNKS : 32;  // threads per block
+  static constexpr int LPR = KC < 32 ? KC : 32;                             // lanes per row
+  static constexpr int CPL = KC / LPR;                                      // chunks per lane in a row
+  static constexpr int RPP = T / LPR;                                       // rows per pass
+  static constexpr int NP = kTileV / RPP;                                   // passes
+};
+
+template <int K, typename ST, Load LD, int CHUNKS, bool PER_CHANNEL>
+__global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(const GdnDecodeParams p) {
+  using C = Chunk<ST>;
+  using Raw = typename C::Raw;
+  using Sh = VkShape<K, ST, CHUNKS>;
+  constexpr int BV = kTileV, E = Sh::E, KC = Sh::KC, T = Sh::T, LPR = Sh::LPR, CPL = Sh::CPL, RPP = Sh::RPP,
+                NP = Sh::NP;
   trap_below_arch<LD>();
   __shared__ float qs[K];
   __shared__ float ks[K];
-  __shared__ float red3[kWarps][3];
+  __shared__ float red3[T / 32][3];
   __shared__ uint64_t bars[2];
   extern __shared__ __align__(16) unsigned char smem[];  // sm80, sm90tma: the tile, [BV][KC] Raw
   Raw* tile = reinterpret_cast<Raw*>(smem);
@@ -483,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_vk_kernel(const G
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) s[j][i] = *reinterpret_cast<const Raw*>(S + (r + RPP * j) * K + 4 * (l * CPL + i));
+      for (int i = 0; i < CPL; ++i) s[j][i] = reinterpret_cast<const Raw*>(S)[(r + RPP * j) * KC + l * CPL + i];
     }
   } else if constexpr (LD == Load::kCpAsync) {
 #pragma unroll
@@ -491,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_vk_kernel(const G
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
         const int at = (r + RPP * j) * KC + l * CPL + i;
-        cp_async<sizeof(Raw)>(&tile[at], S + 4 * at);
+        cp_async<16>(&tile[at], reinterpret_cast<const Raw*>(S) + at);
       }
       if (j == NP / 2 - 1) cp_async_commit();
     }
@@ -516,29 +569,29 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_vk_kernel(const G
 #pragma unroll
   for (int j = 0; j < NP; ++j) vv[j] = load_f(p.v, p.dtype, v_at + RPP * j);
   // The thread's k channels are the same in every pass: their decays live in registers.
-  float decay[CPL][4];
+  float decay[CPL][E];
   if constexpr (PER_CHANNEL) {
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
 #pragma unroll
-      for (int m = 0; m < 4; ++m) decay[i][m] = __expf(log_decay(p, site.n, site.hv, 4 * (l * CPL + i) + m));
+      for (int m = 0; m < E; ++m) decay[i][m] = __expf(log_decay(p, site.n, site.hv, E * (l * CPL + i) + m));
     }
   } else {
     const float d = __expf(log_decay(p, site.n, site.hv, -1));
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
 #pragma unroll
-      for (int m = 0; m < 4; ++m) decay[i][m] = d;
+      for (int m = 0; m < E; ++m) decay[i][m] = d;
     }
   }
   const float beta = load_beta(p, site.n, site.hv);
-  const QkScales sc = load_qk<K>(p, site.n, site.h, qs, ks, red3);
-  float kd[CPL][4], qd[CPL][4], ku[CPL][4];  // decay folded into k and q; k scaled for the update
+  const QkScales sc = load_qk<K, T>(p, site.n, site.h, qs, ks, red3);
+  float kd[CPL][E], qd[CPL][E], ku[CPL][E];  // decay folded into k and q; k scaled for the update
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int kk = 4 * (l * CPL + i) + m;
+    for (int m = 0; m < E; ++m) {
+      const int kk = E * (l * CPL + i) + m;
       kd[i][m] = ks[kk] * decay[i][m];
       qd[i][m] = qs[kk] * decay[i][m];
       ku[i][m] = ks[kk] * sc.k;
@@ -560,9 +613,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_vk_kernel(const G
     float pk = 0.f, pq = 0.f;
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
-      const float4 x = V4::widen(s[j][i]);
-      pk += x.x * kd[i][0] + x.y * kd[i][1] + x.z * kd[i][2] + x.w * kd[i][3];
-      pq += x.x * qd[i][0] + x.y * qd[i][1] + x.z * qd[i][2] + x.w * qd[i][3];
+      float x[E];
+      C::widen(s[j][i], x);
+#pragma unroll
+      for (int m = 0; m < E; ++m) {
+        pk += x[m] * kd[i][m];
+        pq += x[m] * qd[i][m];
+      }
     }
 #pragma unroll
     for (int o = 1; o < LPR; o <<= 1) {
@@ -573,31 +630,36 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_vk_kernel(const G
     if (l == 0) store_f(p.out, p.dtype, out_at(p, site, row0 + r + RPP * j), pq * sc.q + u * sc.qk);
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
-      float4 x = V4::widen(s[j][i]);
-      x.x = x.x * decay[i][0] + ku[i][0] * u;
-      x.y = x.y * decay[i][1] + ku[i][1] * u;
-      x.z = x.z * decay[i][2] + ku[i][2] * u;
-      x.w = x.w * decay[i][3] + ku[i][3] * u;
-      *reinterpret_cast<Raw*>(S + (r + RPP * j) * K + 4 * (l * CPL + i)) = V4::narrow(x);
+      float x[E];
+      C::widen(s[j][i], x);
+#pragma unroll
+      for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i][m] + ku[i][m] * u;
+      reinterpret_cast<Raw*>(S)[(r + RPP * j) * KC + l * CPL + i] = C::narrow(x);
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-template <bool VK, int K, typename ST, Load LD, int MIN_BLOCKS, bool PER_CHANNEL>
-constexpr auto kernel_of() {
-  if constexpr (VK) return decode_vk_kernel<K, ST, LD, MIN_BLOCKS, PER_CHANNEL>;
-  else return decode_kv_kernel<K, ST, LD, MIN_BLOCKS, PER_CHANNEL>;
+template <bool VK, int K, typename ST, int BUILD>
+constexpr int threads_of() {
+  if constexpr (VK) return VkShape<K, ST, BUILD>::T;
+  else return kThreads;
 }
 
-template <bool VK, int K, typename ST, Load LD, int MIN_BLOCKS>
+// BUILD: kv, the minimum resident blocks (1 or squeezed); vk, the chunks per thread (VkShape).
+template <bool VK, int K, typename ST, Load LD, int BUILD, bool PER_CHANNEL>
+constexpr auto kernel_of() {
+  if constexpr (VK) return decode_vk_kernel<K, ST, LD, BUILD, PER_CHANNEL>;
+  else return decode_kv_kernel<K, ST, LD, BUILD, PER_CHANNEL>;
+}
+
+template <bool VK, int K, typename ST, Load LD, int BUILD>
 int launch_build(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, size_t smem) {
-  auto kernel = p.g_per_channel ? kernel_of<VK, K, ST, LD, MIN_BLOCKS, true>()
-                                : kernel_of<VK, K, ST, LD, MIN_BLOCKS, false>();
+  auto kernel = p.g_per_channel ? kernel_of<VK, K, ST, LD, BUILD, true>() : kernel_of<VK, K, ST, LD, BUILD, false>();
   const int64_t tiles = p.V / kTileV;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.N * p.HV * tiles));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(threads_of<VK, K, ST, BUILD>());
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -614,14 +676,14 @@ int launch_build(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, si
 }
 
 // Resident blocks per SM of one build on the current device (asked once per build and device).
-template <bool VK, int K, typename ST, Load LD, int MIN_BLOCKS>
+template <bool VK, int K, typename ST, Load LD, int BUILD>
 int resident_blocks(int device, size_t smem) {
   static int cached[64] = {};
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
   int blocks = 0;
   // The GDN build stands for both: the KDA build differs by a few registers or K floats.
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel_of<VK, K, ST, LD, MIN_BLOCKS, false>(), kThreads,
-                                                smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel_of<VK, K, ST, LD, BUILD, false>(),
+                                                threads_of<VK, K, ST, BUILD>(), smem);
   if (device >= 0 && device < 64 && blocks > 0) cached[device] = blocks;
   return blocks;
 }
@@ -630,21 +692,35 @@ template <bool VK, int K, typename ST, Load LD>
 int launch_load(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
   const bool cluster = v == Variant::kSm90 || v == Variant::kSm90Tma;
   const size_t smem = LD == Load::kRegisters ? 0 : size_t(K) * kTileV * sizeof(ST);
-  if constexpr (K <= 128) {
-    const int device = p.device, sms = p.sm_count;
-    const int64_t blocks = p.N * p.HV * (p.V / kTileV);
-    const int free_fit = resident_blocks<VK, K, ST, LD, 1>(device, smem);
-    const int squeezed_fit = resident_blocks<VK, K, ST, LD, kSqueezedBlocksPerSm>(device, smem);
-    if (sms > 0 && free_fit > 0 && squeezed_fit > free_fit) {
-      const int64_t free_waves = (blocks + int64_t(sms) * free_fit - 1) / (int64_t(sms) * free_fit);
-      const int64_t squeezed_waves = (blocks + int64_t(sms) * squeezed_fit - 1) / (int64_t(sms) * squeezed_fit);
-      // Only where the tail wave is a large share of the time: over many waves the spills cost more.
-      if (squeezed_waves < free_waves && squeezed_waves <= 2) {
-        return launch_build<VK, K, ST, LD, kSqueezedBlocksPerSm>(p, stream, cluster, smem);
+  if constexpr (VK) {
+    // Fewer tiles than 2 per SM: the small-batch build (register loads only; the staged variants
+    // are never auto-picked there). H100, Qwen3-Next fp32: B=1 (128 tiles) 5.3 us small, 8.0 big;
+    // B=4 (512 tiles) 12.5 small, the big build measured 10.4 in an earlier run.
+    if constexpr (LD == Load::kRegisters) {
+      const int64_t blocks = p.N * p.HV * (p.V / kTileV);
+      if (p.sm_count > 0 && blocks < 2 * int64_t(p.sm_count)) {
+        return launch_build<VK, K, ST, LD, kVkChunksSmallBatch>(p, stream, cluster, smem);
       }
     }
+    return launch_build<VK, K, ST, LD, kVkChunks>(p, stream, cluster, smem);
+  } else {
+    if constexpr (K <= 128) {
+      const int device = p.device, sms = p.sm_count;
+      const int64_t blocks = p.N * p.HV * (p.V / kTileV);
+      const int free_fit = resident_blocks<VK, K, ST, LD, 1>(device, smem);
+      const int squeezed_fit = resident_blocks<VK, K, ST, LD, kSqueezedBlocksPerSm>(device, smem);
+      if (sms > 0 && free_fit > 0 && squeezed_fit > free_fit) {
+        const int64_t free_waves = (blocks + int64_t(sms) * free_fit - 1) / (int64_t(sms) * free_fit);
+        const int64_t squeezed_waves =
+            (blocks + int64_t(sms) * squeezed_fit - 1) / (int64_t(sms) * squeezed_fit);
+        // Only where the tail wave is a large share of the time: over many waves the spills cost more.
+        if (squeezed_waves < free_waves && squeezed_waves <= 2) {
+          return launch_build<VK, K, ST, LD, kSqueezedBlocksPerSm>(p, stream, cluster, smem);
+        }
+      }
+    }
+    return launch_build<VK, K, ST, LD, 1>(p, stream, cluster, smem);
   }
-  return launch_build<VK, K, ST, LD, 1>(p, stream, cluster, smem);
 }
 
 template <bool VK, int K, typename ST>

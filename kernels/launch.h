@@ -14,8 +14,9 @@ enum class Variant : int {
 };
 constexpr int kNumVariants = 4;
 const char* variant_name(Variant v);
-// What auto picks for an image (__CUDA_ARCH__) and a launch of `heads` (request, head) pairs.
-Variant auto_variant(int image_arch, int64_t heads);
+// What auto picks for an image (__CUDA_ARCH__), a launch of `heads` (request, head) pairs and a
+// state layout.
+Variant auto_variant(int image_arch, int64_t heads, bool state_vk);
 // Lowest __CUDA_ARCH__ of an image that contains the variant's device code.
 int variant_min_arch(Variant v);
 

@@ -56,15 +56,14 @@ int variant_min_arch(Variant v) {
   return 1 << 30;
 }
 
-Variant auto_variant(int image_arch, int64_t heads) {
-  // Measured on H200 with the shipped build (benchmarks/results-h200-kernel.md, K=V=128): plain
-  // register loads are fastest or tied at every batch, e.g. at B=1024 generic 1177 us, sm90
-  // (clusters) 1259, sm80 (cp.async) 1335, sm90tma 1529; at B=8 generic and sm90 both 13.9 us.
-  // An earlier build had clusters 1% ahead from 256 heads; that did not survive, so nothing here
-  // depends on the arch or the batch until a GPU shows a variant that wins. Both stay in the
-  // signature: they are what a future entry of this table will look at.
-  (void)image_arch;
-  (void)heads;
+Variant auto_variant(int image_arch, int64_t heads, bool state_vk) {
+  // Measured on H100 with this build (benchmarks/results-h100-kernel.md, K=V=128, graph replay):
+  // layout kv: plain register loads are fastest or tied at every batch (B=1024 fp32: generic 1799 us,
+  // sm80 1815, sm90 1860, sm90tma 1817; on H200 likewise). Layout vk: from 1024 (request, head) pairs
+  // the cp.async staging wins (B=1024 fp32: sm80 1579 us, generic 1832; bf16 995 vs 1070; B=32:
+  // 59.7 vs 62.1), below it register loads (B=8: 17.5 vs 17.8), which also have the small-batch
+  // build. The vk tile is contiguous, so staging it takes no registers and more tiles are in flight.
+  if (state_vk && image_arch >= 800 && heads >= 1024) return Variant::kSm80;
   return Variant::kGeneric;
 }
 
