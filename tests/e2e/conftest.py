@@ -7,6 +7,7 @@ satisfied"), at the cost of seconds instead of a 5.5 GB copy per case.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -62,16 +63,6 @@ def source_copy(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def sdist(base_cu, source_copy, release_dir, tmp_path_factory) -> Path:
-    """The sdist as the release fan-in builds it: after the wheels, carrying their manifest."""
-    out = tmp_path_factory.mktemp("sdist")
-    run([base_cu.python, "-m", "build", "--sdist", "--no-isolation", "--outdir", out, source_copy],
-        env=clean_env(CUDELTA_RELEASE_MANIFEST=str(release_dir / "manifest.json")))
-    (path,) = out.glob(f"cudelta-{VERSION}.tar.gz")
-    return path
-
-
-@pytest.fixture(scope="session")
 def sdist_without_manifest(base_cu, source_copy, tmp_path_factory) -> Path:
     """An sdist built from a plain checkout: it must trust the downloaded manifest and say so."""
     out = tmp_path_factory.mktemp("sdist-plain")
@@ -102,21 +93,36 @@ def fake_driver(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def release_wheel(base_cu, source_copy, tmp_path_factory) -> Path:
-    """The release asset, made by the project's own release build (what the matrix runs)."""
-    out = tmp_path_factory.mktemp("release-wheel")
-    run([base_cu.python, "setup.py", "-q", "bdist_wheel", "--dist-dir", out], cwd=source_copy,
-        env=clean_env(CUDELTA_RELEASE_BUILD="1"), timeout=1800)
-    (path,) = out.glob("*.whl")
+def dry_run(base_cu, tmp_path_factory):
+    """(release folder, printed summary, check results) of `scripts/dry_run.py`: the release as the
+    matrix and its fan-in make it (the release build, every wheel check, manifest.json, SHA256SUMS,
+    the PEP 503 index, then the sdist carrying the manifest). One run per session serves every
+    end-to-end test."""
+    out = tmp_path_factory.mktemp("dry-run") / "release"
+    proc = run([sys.executable, ROOT / "scripts" / "dry_run.py", "--out", out, "--python", base_cu.python],
+               env=clean_env(), timeout=2400, check=False)
+    assert proc.returncode == 0, f"dry_run.py exited {proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+    checks = json.loads((out.parent / "release-checks.json").read_text())
+    return out, proc.stdout, checks
+
+
+@pytest.fixture(scope="session")
+def release_dir(dry_run) -> Path:
+    """Release assets as published: wheel, manifest.json, SHA256SUMS, PEP 503 index, sdist."""
+    return dry_run[0]
+
+
+@pytest.fixture(scope="session")
+def release_wheel(release_dir) -> Path:
+    (path,) = release_dir.glob(f"cudelta-{VERSION}+cu*-*.whl")
     return path
 
 
 @pytest.fixture(scope="session")
-def release_dir(release_wheel, base_cu, tmp_path_factory) -> Path:
-    """Release assets as published: wheel, manifest.json, SHA256SUMS, PEP 503 index."""
-    out = tmp_path_factory.mktemp("release")
-    run([base_cu.python, ROOT / "scripts" / "make_release.py", "--version", VERSION, "--out", out, release_wheel])
-    return out
+def sdist(release_dir) -> Path:
+    """The sdist as the release fan-in builds it: after the wheels, carrying their manifest."""
+    (path,) = release_dir.glob(f"cudelta-{VERSION}.tar.gz")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@ manylinux_2_28 by auditwheel, and installs, served on 127.0.0.1 like GitHub Rele
 through the sdist (verified against the manifest embedded in it), and straight from the PEP 503
 index with pip and with uv. A valid but different wheel in its place is refused.
 
-One dry run per session (one release build, ~2-3 min on 2 cores); every case reads its output.
+One dry run per session (conftest.py: it also serves every other end-to-end test); every case
+reads its output.
 """
 
 from __future__ import annotations
@@ -25,17 +26,6 @@ pytestmark = pytest.mark.e2e
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import check_wheel  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def dry_run(base_cu, tmp_path_factory):
-    """(release folder, the dry run's printed summary, its check results): one run per session."""
-    out = tmp_path_factory.mktemp("dry-run") / "release"
-    proc = run([sys.executable, ROOT / "scripts" / "dry_run.py", "--out", out, "--python", base_cu.python],
-               env=clean_env(), timeout=2400, check=False)
-    assert proc.returncode == 0, f"dry_run.py exited {proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
-    checks = json.loads((out.parent / "release-checks.json").read_text())
-    return out, proc.stdout, checks
 
 
 @pytest.fixture
