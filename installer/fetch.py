@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import shutil
-import socket
 import tempfile
 import time
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urljoin, urlparse
 
 import filelock
@@ -37,6 +35,15 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.exceptions import HTTPError
 
+from .cache import (  # noqa: F401  (PARTIAL_PREFIX: part of what callers know from here)
+    LOCK_NAME,
+    LOCK_OWNER_NAME,
+    PARTIAL_PREFIX,
+    lock_owner,
+    remove_partials,
+    write_lock_owner,
+    write_verified,
+)
 from .errors import FetchError, VerificationError
 from .log import say
 from .settings import Settings
@@ -64,46 +71,8 @@ CONNECT_TIMEOUT_S = 10.0
 # (~1.4 MB) takes seconds; a lock held longer belongs to a slow or stuck install (itself bounded by
 # CUDELTA_HTTP_DEADLINE), and fetching a second copy privately costs less than waiting it out.
 LOCK_WAIT_S = 30.0
-LOCK_NAME = ".lock"
-# Beside the lock, not in it: waiting processes open the lock file too, and may truncate it.
-LOCK_OWNER_NAME = ".lock.owner"
 # A release manifest is a few KB; anything this large is not one, and is not read to its end.
 MAX_JSON_BYTES = 16 * 1000 * 1000
-PARTIAL_PREFIX = ".partial-"
-
-
-def write_verified(
-    chunks: Iterable[bytes], target: Path, sha256: str, size: Optional[int], what: str
-) -> None:
-    """Write `chunks` beside `target`, verify, then rename into place.
-
-    The rename is atomic within a folder, so `target` either does not exist or holds a verified
-    file; whatever fails (network, disk, checksum, Ctrl-C) removes the partial file.
-    """
-    tmp = tempfile.NamedTemporaryFile(dir=target.parent, delete=False, prefix=PARTIAL_PREFIX)
-    tmp_path = Path(tmp.name)
-    try:
-        with tmp:
-            for chunk in chunks:
-                tmp.write(chunk)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        verify_file(tmp_path, sha256, size, what)
-        # NamedTemporaryFile is 0600; a cache shared between users must stay readable.
-        os.chmod(tmp_path, 0o644)
-        os.replace(tmp_path, target)
-    except BaseException:
-        with suppress(OSError):
-            tmp_path.unlink()
-        raise
-
-
-def remove_partials(folder: Path) -> None:
-    """Partial files of processes that were killed; safe only while holding the folder's lock."""
-    for path in folder.glob(PARTIAL_PREFIX + "*"):
-        with suppress(OSError):
-            path.unlink()
-
 
 
 class Fetcher:
@@ -211,7 +180,7 @@ class Fetcher:
             return self._fetch_private(base_url, name, digest, size)
         # Held across check + download: a second pip process waits, then finds the file.
         try:
-            _write_lock_owner(folder)
+            write_lock_owner(folder)
             remove_partials(folder)
             if not self._cached(target, digest, size, name):
                 self._download(base_url, name, target, digest, size)
@@ -230,7 +199,7 @@ class Fetcher:
             pass
         path = folder / LOCK_NAME
         self._log(f"waiting up to {self.lock_wait:g} s for the download cache lock {path}, held by "
-                  f"{_lock_owner(folder)} (another install fetching {name})")
+                  f"{lock_owner(folder)} (another install fetching {name})")
         started = time.monotonic()
         try:
             lock.acquire(timeout=self.lock_wait)
@@ -427,21 +396,6 @@ def _overlong(name: str, size: int, what: str) -> VerificationError:
         "The file was not installed. Retry the install to download it again, or set FORCE_BUILD=1 "
         "to compile from source instead."
     )
-
-
-def _write_lock_owner(folder: Path) -> None:
-    """Who holds the lock, for the message of a process that waits on it."""
-    with suppress(OSError):
-        (folder / LOCK_OWNER_NAME).write_text(
-            f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}\n")
-
-
-def _lock_owner(folder: Path) -> str:
-    try:
-        owner = (folder / LOCK_OWNER_NAME).read_text().strip()
-    except OSError:
-        owner = ""
-    return owner or "a process that did not say"
 
 
 def _content_length(headers: Mapping[str, str]) -> Optional[int]:
