@@ -50,7 +50,7 @@ class bdist_wheel(_bdist_wheel):
             self.distribution.ext_modules = [Extension("cudelta._C", sources=[])]
             self.py_limited_api = native.PY_LIMITED_API_TAG
             if self._settings.release_build:
-                self.plat_name = local_build.RELEASE_PLATFORM
+                self.plat_name = local_build.release_platform(self._target.machine)
         super().finalize_options()
 
     def run(self) -> None:

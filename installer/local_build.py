@@ -28,7 +28,9 @@ from .wheel_version import retag_version, with_local_label
 
 # The platform tag a release wheel claims (and is checked for): the glibc floor release builds
 # link against (installer/glibc_floor.py), on the CPU they are built for.
-RELEASE_PLATFORM = platform_tag.manylinux_tag(platform_tag.MANYLINUX_FLOOR, "x86_64")
+def release_platform(machine: str) -> str:
+    """The tag a release wheel for `machine` ('x86_64', 'aarch64') carries: the manylinux floor."""
+    return platform_tag.manylinux_tag(platform_tag.MANYLINUX_FLOOR, machine)
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,17 @@ def build_ext_class(base: type, record: Dict[str, Any]) -> type:
 
 def label_release_wheel(dist: Path, version: str, libraries: Iterable[Path], cuda_label: str) -> List[Path]:
     """Add the +cuXYZ label, and the manylinux tag the library's glibc needs allow."""
-    glibc = platform_tag.required_glibc(list(libraries))
-    platform = platform_tag.manylinux_tag(glibc, "x86_64") if glibc else None
-    if platform != RELEASE_PLATFORM:
-        say(f"the library needs glibc {glibc[0]}.{glibc[1]}: tagged {platform}, not {RELEASE_PLATFORM}; "
+    libraries = list(libraries)
+    # The library's own ELF header names the CPU: the release matrix builds each arch natively.
+    machine = platform_tag.elf_machine(libraries[0]) if libraries else "x86_64"
+    floor = release_platform(machine)
+    glibc = platform_tag.required_glibc(libraries)
+    platform = platform_tag.manylinux_tag(glibc, machine) if glibc else None
+    if platform != floor:
+        say(f"the library needs glibc {glibc[0]}.{glibc[1]}: tagged {platform}, not {floor}; "
             "build in a manylinux_2_28 image for the wider tag" if glibc else
-            "objdump not found: cannot check the glibc the library needs; keeping " + RELEASE_PLATFORM)
+            "objdump not found: cannot check the glibc the library needs; keeping " + floor)
+        platform = platform or floor
     out = []
     for wheel in dist.glob(f"cudelta-{version}-*.whl"):
         labelled = retag_version(wheel, with_local_label(version, cuda_label), dist, platform=platform)

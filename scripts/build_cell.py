@@ -145,8 +145,8 @@ def check_arch(wheel: Path, arch: str) -> None:
         machines = {elf_machine(Path(zf.extract(n, tmp))) for n in libs}
     if machines != {arch} or not wheel.name.endswith(f"_{arch}.whl"):
         raise CellError(f"{wheel.name}: library for {', '.join(sorted(machines)) or 'nothing'}, cell {arch}; "
-                        "the release tag must come from the library's arch (installer/commands.py "
-                        "_label_release_wheel / RELEASE_PLATFORM)")
+                        "the release tag must come from the library's arch ("
+                        "installer/local_build.py label_release_wheel / release_platform)")
 
 
 def repair(wheel: Path, plat: str, out: Path, env: dict) -> Path:

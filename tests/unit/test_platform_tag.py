@@ -102,3 +102,10 @@ def test_without_zig_the_extension_is_left_alone_and_the_log_says_why(tmp_path, 
     message = glibc_floor.apply(ext, tmp_path)
     assert "no glibc 2.28 floor" in message and "pip install ziglang" in message
     assert ext.library_dirs == ["/torch/lib"] and ext.extra_objects == []
+
+
+def test_release_wheels_are_tagged_for_the_arch_they_were_built_on():
+    from installer.local_build import release_platform
+
+    assert release_platform("x86_64") == "manylinux_2_28_x86_64"
+    assert release_platform("aarch64") == "manylinux_2_28_aarch64"
