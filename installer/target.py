@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from . import cuda
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -26,7 +28,8 @@ class Gpu:
 
     @property
     def sm(self) -> str:
-        return f"sm_{self.major}{self.minor}"
+        """'sm_90': the plain cubin name of this GPU's compute capability."""
+        return str(cuda.CodeArch("sm", self.major, self.minor, ""))
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,10 @@ class TargetEnv:
         else:
             parts.append("torch not seen (reported only, not needed to choose)")
         if self.driver_overridden:
-            parts.append(f"driver CUDA {self.driver_cuda[0]}.{self.driver_cuda[1]} by CUDELTA_DRIVER_CUDA"
+            parts.append(f"driver CUDA {cuda.format_version(self.driver_cuda)} by CUDELTA_DRIVER_CUDA"
                          if self.driver_cuda else "CUDELTA_DRIVER_CUDA=cpu")
         else:
-            parts.append(f"driver CUDA {self.driver_cuda[0]}.{self.driver_cuda[1]}" if self.driver_cuda
+            parts.append(f"driver CUDA {cuda.format_version(self.driver_cuda)}" if self.driver_cuda
                          else "no NVIDIA driver")
         if self.gpus:
             parts.append(", ".join(f"GPU {g.index} {g.name} ({g.major}.{g.minor})" for g in self.gpus))
