@@ -52,6 +52,11 @@ print("path:", fetcher.fetch_asset(base, name, sha, int(size)), flush=True)
 """
 
 
+# Lower bounds pin that nothing ends early; upper bounds only have to tell seconds from the
+# minutes the faults used to take, so they leave room for a loaded 2-core machine.
+SLACK_S = 2.5
+
+
 @pytest.fixture
 def server(tmp_path):
     release = tmp_path / "release"
@@ -98,7 +103,7 @@ def test_trickle_ends_at_the_deadline_with_progress_on_the_way(tmp_path, server)
     assert "not done after the 2 s limit (CUDELTA_HTTP_DEADLINE)" in str(error)
     # What came, and a body stopped by the bounds is not retried.
     assert re.search(r"; got \d KB of 300 KB \(0%\) \(1 attempt\)$", str(error)), str(error)
-    assert 2.0 <= took < 3.0
+    assert 2.0 <= took < 2.0 + SLACK_S
     progress = [line for line in logs if line.startswith(f"downloading {NAME}: ")]
     assert 2 <= len(progress) <= 4, logs  # a few lines, not a flood
     assert all(" KB of 300 KB (" in line and " KB/s, " in line for line in progress), progress
@@ -110,8 +115,9 @@ def test_trickle_below_the_minimum_rate_ends_after_the_window(tmp_path, server):
     logs: List[str] = []
     fetcher = make_fetcher(tmp_path, logs, http_deadline=10.0, http_min_rate=32)
     error, took = fails(FetchError, lambda: fetcher.fetch_asset(server.base_url(TAG), NAME, SHA, SIZE))
-    assert "too slow: 1.0 KB/s over the last 1 s, below the minimum 32 KB/s (CUDELTA_HTTP_MIN_RATE)" in str(error)
-    assert 1.0 <= took < 2.0
+    assert re.search(r"too slow: (\d\.\d KB/s over the last 1 s|nothing for 1 s), below the minimum 32 KB/s "
+                     r"\(CUDELTA_HTTP_MIN_RATE\)", str(error)), str(error)
+    assert 1.0 <= took < 1.0 + SLACK_S
     assert cache_files(tmp_path) == []
 
 
@@ -121,7 +127,7 @@ def test_a_silent_server_ends_at_the_deadline_not_after_the_read_timeout(tmp_pat
     fetcher = make_fetcher(tmp_path, logs, http_deadline=1.5, http_timeout=30.0, http_min_rate=0)
     error, took = fails(FetchError, lambda: fetcher.fetch_asset(server.base_url(TAG), NAME, SHA, SIZE))
     assert "not done after the 1.5 s limit (CUDELTA_HTTP_DEADLINE); got 0 KB of 300 KB (0%) (1 attempt)" in str(error)
-    assert 1.5 <= took < 2.5
+    assert 1.5 <= took < 1.5 + SLACK_S
     assert cache_files(tmp_path) == []
 
 
@@ -131,7 +137,7 @@ def test_a_silent_server_is_too_slow_after_the_window_and_not_retried(tmp_path, 
     error, took = fails(FetchError, lambda: fetcher.fetch_asset(server.base_url(TAG), NAME, SHA, SIZE))
     assert ("too slow: nothing for 1 s, below the minimum 32 KB/s (CUDELTA_HTTP_MIN_RATE); got 0 KB of 300 KB "
             "(0%) (1 attempt)") in str(error)
-    assert 1.0 <= took < 2.0
+    assert 1.0 <= took < 1.0 + SLACK_S
     assert server.paths().count(f"/storage/{TAG}/{NAME}") == 1
 
 
