@@ -1,11 +1,14 @@
 """Wall time of `pip install cudelta-<v>.tar.gz` on the fetch path vs a forced local compile, and
 the time detection takes, in one run, on this machine.
 
-    python benchmarks/install_time.py [--repeat 3] [--out benchmarks/results-install-time.md]
+    .ci-cache/venvs/runner/bin/python benchmarks/install_time.py [--repeat 3] [--out benchmarks/results-install-time.md]
+
+(the runner venv of scripts/test.sh has the release checks' tools that scripts/dry_run.py runs)
 
 Uses the end-to-end test machinery: a base venv with torch 2.14.1+cu130 (made once, cached in
 CUDELTA_TEST_CACHE), the sdist and release assets built from this tree, the local GitHub-like
-release server. Each install goes into a fresh venv that already has torch (as a user's would);
+release server. Each install goes into a fresh venv that already has torch (as a user's would), and
+the fresh-venv rows into an empty one where torch comes as cudelta's dependency;
 pip's own cache is warm after the first run, as on any machine that has installed anything.
 Targets (issue 2): fetch path <= 10 s with torch present; detection <= 0.5 s.
 """
@@ -28,18 +31,31 @@ from release_server import ReleaseServer  # noqa: E402
 
 
 def build_inputs(base: e2e.Venv, work: Path) -> tuple[Path, Path]:
-    src = work / "src"
+    """The release as the fan-in makes it (scripts/dry_run.py): the wheel, its manifest, the sdist
+    carrying it."""
+    release = work / "release"
+    e2e.run([sys.executable, ROOT / "scripts" / "dry_run.py", "--out", release, "--python", base.python],
+            timeout=2400)
+    (sdist,) = release.glob("cudelta-*.tar.gz")
+    return sdist, release
+
+
+def fresh_venv_times(sdist: Path, env: dict, work: Path) -> tuple[float, float]:
+    """(`pip install cudelta` in an empty venv, torch arriving as its dependency; `pip install torch`
+    alone in another empty venv): the difference is cudelta's share. pip's cache is warm for both."""
     import shutil
 
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "dist", ".ci-cache", ".whl",
-                                                             ".device", "__pycache__", "*.egg-info"))
-    e2e.run([base.python, "-m", "build", "--sdist", "--no-isolation", "--outdir", work / "sdist", src])
-    e2e.run([base.python, "setup.py", "-q", "bdist_wheel", "--dist-dir", work / "wheel"], cwd=src,
-            env=e2e.clean_env(CUDELTA_RELEASE_BUILD="1"), timeout=1800)
-    e2e.run([base.python, ROOT / "scripts" / "make_release.py", "--version", e2e.VERSION, "--out", work / "release",
-             *(work / "wheel").glob("*.whl")])
-    (sdist,) = (work / "sdist").glob("*.tar.gz")
-    return sdist, work / "release"
+    index = work / "pypi"
+    index.mkdir(exist_ok=True)
+    shutil.copy2(sdist, index / sdist.name)
+    times = []
+    for what in (["cudelta"], ["torch>=2.10"]):
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            venv = e2e.make_venv(Path(tmp) / "venv")
+            started = time.perf_counter()
+            venv.pip("install", "-q", "--find-links", index, *what, env=env, timeout=1800)
+            times.append(time.perf_counter() - started)
+    return times[0], times[1]
 
 
 def timed_install(base: e2e.Venv, sdist: Path, env: dict, extra: list[str], work: Path, pip: str) -> float:
@@ -105,6 +121,8 @@ def main() -> int:
             ]
             rows = []
             timed_install(base, sdist, fetch_env, [], work, "pip")  # warm pip's caches
+            fresh_total, torch_alone = fresh_venv_times(sdist, {**fetch_env, "CUDELTA_CACHE_DIR": str(work / "cf")},
+                                                        work)
             for name, env, extra, pip in cases:
                 reps = args.repeat if name.startswith("fetch") else 1
                 # a fresh download cache for each fetch, so every run really downloads and verifies
@@ -113,13 +131,18 @@ def main() -> int:
                 rows.append((name, pip_version(pip), statistics.median(times), reps))
     cold, warm = detection_times(base, args.repeat)
 
-    lines = ["`pip install cudelta-0.1.0.tar.gz` into a fresh venv that has torch 2.14.1+cu130; "
+    lines = ["`pip install cudelta-0.1.0.tar.gz` into a fresh venv that has torch 2.14.1+cu130 (rows 1-5), or into an "
+             "empty venv (fresh-venv rows); "
              f"{Path('/proc/cpuinfo').read_text().count('processor')} cores, no GPU; median of the runs", "",
              "| case | pip | wall time (s) | runs | target |", "|---|---|---|---|---|"]
     for name, pip, seconds, reps in rows:
         target = "<= 10 s" if name.startswith("fetch") else ""
         lines.append(f"| {name} | {pip} | {seconds:.1f} | {reps} | {target} |")
-    lines += [f"| detection, fresh interpreter (import + detect) | - | {cold:.3f} | {args.repeat} | <= 0.5 s |",
+    lines += [f"| fresh venv, no torch: `pip install cudelta` (torch 2.14.1+cu130 comes as its dependency) | "
+              f"{pip_version('bundled')} | {fresh_total:.1f} | 1 | |",
+              f"| of which torch (`pip install torch` alone, fresh venv) | {pip_version('bundled')} | {torch_alone:.1f} | 1 | |",
+              f"| of which cudelta's sdist: detect, fetch, verify, install | - | {fresh_total - torch_alone:.1f} | 1 | |",
+              f"| detection, fresh interpreter (import + detect) | - | {cold:.3f} | {args.repeat} | <= 0.5 s |",
               f"| detection, in process | - | {warm:.3f} | {args.repeat} | |"]
     table = "\n".join(lines)
     print(table)
