@@ -64,9 +64,9 @@ class TargetEnv:
         parts = [f"{impl} {self.python_tag} {self.os_name} {self.machine}"
                  + (f" glibc {self.glibc[0]}.{self.glibc[1]}" if self.glibc else "")]
         if self.torch_version:
-            cuda = f"CUDA {self.torch_cuda}" if self.torch_cuda else "no CUDA"
+            torch_cuda = f"CUDA {self.torch_cuda}" if self.torch_cuda else "no CUDA"
             abi = {True: ", cxx11 ABI", False: ", pre-cxx11 ABI", None: ""}[self.torch_cxx11_abi]
-            parts.append(f"torch {self.torch_version} ({cuda}{abi})")
+            parts.append(f"torch {self.torch_version} ({torch_cuda}{abi})")
         else:
             parts.append("torch not seen (reported only, not needed to choose)")
         if self.driver_overridden:

@@ -77,21 +77,21 @@ def torch_facts_from_files(
 ) -> TorchFacts:
     """Combine what torch's files say; each fallback used is written into notes."""
     notes = []
-    version, cuda, hip = parse_torch_version_py(version_py) if version_py else (None, None, None)
+    version, torch_cuda, hip = parse_torch_version_py(version_py) if version_py else (None, None, None)
     if version is None and dist_version:
         version = dist_version
-        cuda = cuda_from_local_label(dist_version)
+        torch_cuda = cuda_from_local_label(dist_version)
         notes.append(
             f"torch/version.py unreadable; version {dist_version} from package metadata"
-            + (f", CUDA {cuda} from its +cu label" if cuda else ", CUDA unknown")
+            + (f", CUDA {torch_cuda} from its +cu label" if torch_cuda else ", CUDA unknown")
         )
     if hip:
         notes.append(f"torch {version} is a ROCm build (HIP {hip}); no CUDA")
-        cuda = None
+        torch_cuda = None
     abi = parse_torch_cmake_abi(cmake_text) if cmake_text else None
     if abi is None and libc10_head:
         abi = parse_libc10_abi(libc10_head)
-    return TorchFacts(version=version, cuda=cuda, cxx11_abi=abi, notes=tuple(notes))
+    return TorchFacts(version=version, cuda=torch_cuda, cxx11_abi=abi, notes=tuple(notes))
 
 
 def _read_text(path: Path, limit: int = 1 << 20) -> Optional[str]:
