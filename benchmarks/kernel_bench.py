@@ -2,7 +2,8 @@
 flash-linear-attention 0.6 and a device copy, in one process, one table per run.
 
     python benchmarks/fetch_vllm_ops.py            # once, on a machine with PyPI: vLLM's fla ops to .peers/
-    python benchmarks/kernel_bench.py [--batches 1 4 8 32 128 256 1024] [--quick] [--out DIR]
+    python benchmarks/kernel_bench.py [--batches 1 4 8 32 128 256 1024] [--quick] [--variants auto warp ...]
+                                      [--states float32 bfloat16] [--out DIR]
 
 Each row is one configuration: model shape (Qwen3-Next: H=16, HV=32; Kimi-Linear: H=HV=32; K=V=128),
 state dtype, layout, and gates (raw a/b fused into the kernel, or precomputed g/beta). Inputs are
@@ -173,6 +174,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 32, 128, 256, 1024])
     parser.add_argument("--quick", action="store_true", help="only the engine setting (vk, raw gates)")
+    parser.add_argument("--variants", nargs="+", metavar="NAME",
+                        help="time only these cudelta variants (auto is always timed)")
+    parser.add_argument("--states", nargs="+", choices=["float32", "bfloat16"],
+                        help="only rows with this state dtype")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -186,6 +191,8 @@ def main() -> int:
         return 2
     variants = {"auto": -1}
     for name, vid in _native.VARIANTS.items():
+        if args.variants and name not in args.variants:
+            continue
         try:
             torch.ops.cudelta.select_variant(0, vid, 1 << 30)
             variants[name] = vid
@@ -199,6 +206,8 @@ def main() -> int:
         configs += [("kimi-linear", torch.float32, "vk", "raw", False), ("kimi-linear", torch.bfloat16, "vk", "raw", False),
                     ("qwen3-next", torch.float32, "kv", "pre", True), ("qwen3-next", torch.bfloat16, "kv", "raw", False),
                     ("qwen3-next", torch.float32, "vk", "pre", False)]
+    if args.states:
+        configs = [c for c in configs if str(c[1]).split(".")[-1] in args.states]
     rows = []
     for shape, sd, layout, gates, all_variants in configs:
         vs = variants if all_variants else {"auto": -1}

@@ -90,13 +90,13 @@ Variant select(int device, int64_t requested, int64_t heads, ImageInfo* info, bo
   }
   if (requested < 0) return auto_variant(info->cuda_arch, heads, state_vk);
   CUDELTA_CHECK(requested < kNumVariants, "cudelta: kernel variant ", requested,
-                  " does not exist; accepted: generic, sm80, sm90, sm90tma (CUDELTA_KERNEL_VARIANT)");
+                  " does not exist; accepted: generic, sm80, sm90, sm90tma, warp (CUDELTA_KERNEL_VARIANT)");
   const auto v = static_cast<Variant>(requested);
   const int cc = info->compute_capability;
   CUDELTA_CHECK(variant_min_arch(v) <= info->cuda_arch, "cudelta: kernel variant ", variant_name(v),
                   " needs an sm_", variant_min_arch(v) / 10, "+ image, but CUDA device ", device, " (compute ",
                   cc / 10, ".", cc % 10, ") runs the sm_", info->cuda_arch / 10,
-                  " image; variants it can run: generic", info->cuda_arch >= 800 ? ", sm80" : "",
+                  " image; variants it can run: generic, warp", info->cuda_arch >= 800 ? ", sm80" : "",
                   info->cuda_arch >= 900 ? ", sm90, sm90tma" : "");
   return v;
 }

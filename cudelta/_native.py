@@ -19,7 +19,7 @@ import torch
 from . import _build_record
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-VARIANTS = {"generic": 0, "sm80": 1, "sm90": 2, "sm90tma": 3}
+VARIANTS = {"generic": 0, "sm80": 1, "sm90": 2, "sm90tma": 3, "warp": 4}
 VARIANT_ENV = "CUDELTA_KERNEL_VARIANT"
 REINSTALL = "pip install --no-cache-dir --force-reinstall cudelta"
 
@@ -155,7 +155,7 @@ def _register_fake() -> None:
 
 
 def requested_variant(environ=os.environ) -> int:
-    """CUDELTA_KERNEL_VARIANT: auto (default) | generic | sm80 | sm90 | sm90tma -> -1 | 0 | 1 | 2 | 3."""
+    """CUDELTA_KERNEL_VARIANT: auto (default) | generic | sm80 | sm90 | sm90tma | warp -> -1 | 0 | 1 | 2 | 3 | 4."""
     raw = environ.get(VARIANT_ENV, "").strip().lower()
     if raw in ("", "auto"):
         return -1

@@ -640,6 +640,228 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
 }
 
 // ---------------------------------------------------------------------------------------------
+// Variant "warp", layout vk only: one warp, alone in its block, owns a tile of BW rows x the whole
+// K and keeps it in registers (at most 512 bytes a lane), so nothing crosses warps: the q/k norms
+// and the gates are computed by every warp with shuffles, there is no __syncthreads and no shared
+// memory, and an SM holds as many independent tiles as its registers allow (the whole decode step
+// is one read and one write of the state, so what bounds it is the bytes in flight per SM). Lane
+// l of a row holds chunks i*LPR + l (16 bytes each), so each load instruction of the warp covers
+// 512 contiguous bytes. The two row dot-products (h'^T k, h'^T q) are reduced by a transposing
+// butterfly: each level halves the rows a lane carries, so a 32-row tile costs 31 shuffles per
+// product instead of 32 x 5, and each lane ends with the sums of one row, whose u and output it
+// computes (the output store is one coalesced line); u comes back to the row's lanes by shuffle.
+template <int K, typename ST>
+struct WarpShape {
+  static constexpr int E = Chunk<ST>::E;
+  static constexpr int KC = K / E;                      // 16-byte chunks per row
+  static constexpr int LPR = KC < 32 ? KC : 32;         // lanes per row
+  static constexpr int CPL = KC / LPR;                  // chunks per lane in a row
+  static constexpr int RPP = 32 / LPR;                  // rows per load instruction
+  static constexpr int BW0 = 32 * 512 / (K * int(sizeof(ST)));
+  static constexpr int BW = BW0 < 32 ? BW0 : 32;        // rows per warp: <= 128 state registers a lane
+  static constexpr int NP = BW / RPP;                   // rows a lane holds
+  static constexpr int F = LPR / NP;                    // lanes that end with the same row (1 or 2)
+  static_assert(NP >= 2 && (F == 1 || F == 2), "warp tile shape");
+};
+
+// The transposing butterfly from lane offset O down: N sums per lane, halved at each level until
+// one is left, then plain xor-sums for the remaining offsets.
+template <int N, int O>
+__device__ __forceinline__ void butterfly(float* a, float* b, int lane) {
+  if constexpr (O >= 1) {
+    if constexpr (N > 1) {
+      constexpr int H = N / 2;
+      const bool hi = (lane & O) != 0;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        const float sa = hi ? a[i] : a[i + H], ka = hi ? a[i + H] : a[i];
+        const float sb = hi ? b[i] : b[i + H], kb = hi ? b[i + H] : b[i];
+        a[i] = ka + __shfl_xor_sync(0xffffffffu, sa, O);
+        b[i] = kb + __shfl_xor_sync(0xffffffffu, sb, O);
+      }
+      butterfly<H, O / 2>(a, b, lane);
+    } else {
+      a[0] += __shfl_xor_sync(0xffffffffu, a[0], O);
+      b[0] += __shfl_xor_sync(0xffffffffu, b[0], O);
+      butterfly<1, O / 2>(a, b, lane);
+    }
+  }
+}
+
+// Hides a chunk's value from the compiler, so the widened copy made for the reduction is not kept
+// live until the update (that doubled the registers of a bf16 tile); the update widens it again.
+__device__ __forceinline__ void opaque(float4& x) {
+  asm volatile("" : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w));
+}
+__device__ __forceinline__ void opaque(uint4& x) {
+  asm volatile("" : "+r"(x.x), "+r"(x.y), "+r"(x.z), "+r"(x.w));
+}
+
+// Resident warps per SM the register cap aims at. A warp lives on one of the SM's four 16K-register
+// quarters, so the useful counts are 8 (255 registers), 12 (168) and 16 (128): a 128-register tile
+// takes 8 (at 12 it spilled), a 64-register one 12 (at 16 it spilled), smaller ones 16.
+template <int K, typename ST>
+constexpr int warp_min_blocks() {
+  using Sh = WarpShape<K, ST>;
+  constexpr int tile_regs = Sh::NP * Sh::CPL * 4;
+  return tile_regs >= 128 ? 8 : tile_regs >= 64 ? 12 : 16;
+}
+
+template <int K, typename ST, bool PER_CHANNEL>
+__global__ void __launch_bounds__(32, (warp_min_blocks<K, ST>())) decode_vk_warp_kernel(const GdnDecodeParams p) {
+  using C = Chunk<ST>;
+  using Raw = typename C::Raw;
+  using Sh = WarpShape<K, ST>;
+  constexpr int E = Sh::E, KC = Sh::KC, LPR = Sh::LPR, CPL = Sh::CPL, RPP = Sh::RPP, BW = Sh::BW, NP = Sh::NP,
+                F = Sh::F;
+  const int lane = threadIdx.x;
+  const int l = lane % LPR;
+  const int r = lane / LPR;
+  const int64_t tiles = p.V / BW;
+  const int64_t nh = blockIdx.x / tiles;
+  const int64_t row0 = (blockIdx.x - nh * tiles) * BW;
+  const int64_t n = nh / p.HV, hv = nh - n * p.HV, h = hv / (p.HV / p.H);
+  const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
+  const int64_t o_at = n * p.out_stride_n + hv * p.out_stride_h + row0;
+  if (!slot_valid(p, slot)) {
+    for (int row = lane; row < BW; row += 32) store_f(p.out, p.dtype, o_at + row, 0.f);
+    return;
+  }
+  Raw* S = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + ((slot * p.HV + hv) * p.V + row0) * int64_t(K));
+
+  // The tile first: all of its loads are in flight while the gates, q and k are read.
+  Raw s[NP][CPL];
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) s[j][i] = S[(r + RPP * j) * KC + i * LPR + l];
+  }
+  // The row this lane reduces last (the butterfly's result) and its v.
+  const int my_j = l / F;
+  const int my_row = r + RPP * my_j;
+  const float vv = load_f(p.v, p.dtype, n * p.v_stride_n + hv * p.v_stride_h + row0 + my_row);
+
+  // q, k of this lane's channels, and the three dot products over the row's lanes.
+  const int64_t qo = n * p.q_stride_n + h * p.q_stride_h, ko = n * p.k_stride_n + h * p.k_stride_h;
+  float qv[CPL][E], kv[CPL][E], decay[CPL][E];
+  float sqq = 0.f, skk = 0.f, sqk = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+    for (int m = 0; m < E; ++m) {
+      const int kk = E * (i * LPR + l) + m;
+      qv[i][m] = load_f(p.q, p.dtype, qo + kk);
+      kv[i][m] = load_f(p.k, p.dtype, ko + kk);
+    }
+  }
+  if constexpr (PER_CHANNEL) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+      for (int m = 0; m < E; ++m) decay[i][m] = __expf(log_decay(p, n, hv, E * (i * LPR + l) + m));
+    }
+  } else {
+    const float d = __expf(log_decay(p, n, hv, -1));
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+      for (int m = 0; m < E; ++m) decay[i][m] = d;
+    }
+  }
+  const float beta = load_beta(p, n, hv);
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+    for (int m = 0; m < E; ++m) {
+      sqq += qv[i][m] * qv[i][m];
+      skk += kv[i][m] * kv[i][m];
+      sqk += qv[i][m] * kv[i][m];
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < LPR; o <<= 1) {
+    sqq += __shfl_xor_sync(0xffffffffu, sqq, o);
+    skk += __shfl_xor_sync(0xffffffffu, skk, o);
+    sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
+  }
+  const float sck = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
+  const float scq = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
+  const float scqk = sqk * sck * scq;
+  float kd[CPL][E], qd[CPL][E];  // decay folded into k and q
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+    for (int m = 0; m < E; ++m) {
+      kd[i][m] = kv[i][m] * decay[i][m];
+      qd[i][m] = qv[i][m] * decay[i][m];
+    }
+  }
+
+  // Row partial sums, pairs (j, j + NP/2) folded at once into the butterfly's first level, so only
+  // NP/2 accumulators per product are ever live beside the tile.
+  auto partial = [&](int j, float& pk, float& pq) {
+    pk = 0.f;
+    pq = 0.f;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      float x[E];
+      C::widen(s[j][i], x);
+#pragma unroll
+      for (int m = 0; m < E; ++m) {
+        pk += x[m] * kd[i][m];
+        pq += x[m] * qd[i][m];
+      }
+    }
+  };
+  constexpr int H0 = NP / 2;
+  float ak[H0], aq[H0];
+  {
+    const bool hi = (lane & (LPR / 2)) != 0;
+#pragma unroll
+    for (int i = 0; i < H0; ++i) {
+      float k0, q0, k1, q1;
+      partial(i, k0, q0);
+      partial(i + H0, k1, q1);
+      const float sk = hi ? k0 : k1, kk = hi ? k1 : k0;
+      const float sq = hi ? q0 : q1, kq = hi ? q1 : q0;
+      ak[i] = kk + __shfl_xor_sync(0xffffffffu, sk, LPR / 2);
+      aq[i] = kq + __shfl_xor_sync(0xffffffffu, sq, LPR / 2);
+    }
+  }
+  butterfly<H0, LPR / 4>(ak, aq, lane);
+  const float u_mine = beta * (vv - ak[0] * sck);
+  if (l % F == 0) store_f(p.out, p.dtype, o_at + my_row, aq[0] * scq + u_mine * scqk);
+
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) opaque(s[j][i]);
+  }
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+    const float u = __shfl_sync(0xffffffffu, u_mine, r * LPR + j * F);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      float x[E];
+      C::widen(s[j][i], x);
+#pragma unroll
+      for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i][m] + kv[i][m] * sck * u;
+      S[(r + RPP * j) * KC + i * LPR + l] = C::narrow(x);
+    }
+  }
+}
+
+template <int K, typename ST>
+int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_vk_warp_kernel<K, ST, true> : decode_vk_warp_kernel<K, ST, false>;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.N * p.HV * (p.V / WarpShape<K, ST>::BW)));
+  cfg.blockDim = dim3(32);
+  cfg.stream = stream;
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+// ---------------------------------------------------------------------------------------------
 template <bool VK, int K, typename ST, int BUILD>
 constexpr int threads_of() {
   if constexpr (VK) return VkShape<K, ST, BUILD>::T;
@@ -745,6 +967,17 @@ int launch_k(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
 
 template <typename ST>
 int launch_layout(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
+  if (v == Variant::kWarp) {
+    if (p.state_vk) {
+      switch (p.K) {
+        case 64: return launch_vk_warp<64, ST>(p, stream);
+        case 128: return launch_vk_warp<128, ST>(p, stream);
+        case 256: return launch_vk_warp<256, ST>(p, stream);
+      }
+      return static_cast<int>(cudaErrorInvalidValue);
+    }
+    v = Variant::kGeneric;  // the kv layout has no warp build: its columns' reduction crosses rows
+  }
   return p.state_vk ? launch_k<true, ST>(p, v, stream) : launch_k<false, ST>(p, v, stream);
 }
 

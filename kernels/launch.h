@@ -11,8 +11,9 @@ enum class Variant : int {
   kSm80 = 1,     // cp.async state tiles overlapped with the q/k prologue: sm_80+
   kSm90 = 2,     // thread-block clusters: a head's column tiles co-scheduled on one GPC: sm_90+
   kSm90Tma = 3,  // clusters + cp.async.bulk (TMA engine) row copies on mbarriers: sm_90+
+  kWarp = 4,     // layout vk: one warp per tile held in registers, no block sync (kv: as generic): any arch
 };
-constexpr int kNumVariants = 4;
+constexpr int kNumVariants = 5;
 const char* variant_name(Variant v);
 // What auto picks for an image (__CUDA_ARCH__), a launch of `heads` (request, head) pairs and a
 // state layout.

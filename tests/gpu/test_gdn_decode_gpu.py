@@ -136,6 +136,25 @@ def test_io_dtypes_and_head_groups(name, variant, dtype, H, HV, l2norm):
     assert out.dtype == dtype
 
 
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("K,V", [(128, 128), (256, 128), (64, 256), (256, 64)])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
+def test_warp_build_over_an_engine_batch_and_several_steps(kind, K, V, state_dtype):
+    # The vk warp build at Qwen3-Next's head counts (one warp per tile, many tiles), raw gates, the
+    # null block and both invalid slots, three steps in a row on the same pool.
+    t = make(N=37, H=16, HV=32, K=K, V=V, P=45, kda=kind == "kda", layout="vk", state_dtype=state_dtype,
+             invalid=(3, 8))
+    t["idx"][5] = 0
+    for _ in range(3):
+        assert_step_matches(kind, _native.VARIANTS["warp"], t, gates="raw", layout="vk", rule="nonpositive")
+
+
+def test_auto_takes_the_warp_build_for_vk():
+    assert torch.ops.cudelta.select_variant(0, -1, 1) in _native.VARIANTS.values()
+    t = make(N=3, H=2, HV=4, K=128, V=128, P=6, layout="vk")
+    assert_step_matches("gdn", -1, t, gates="raw", layout="vk")
+
+
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_strided_views_out_of_a_packed_projection(layout):
     # vLLM slices q, k, v out of one mixed_qkv row and a, b out of one projection: views, not copies
