@@ -63,7 +63,7 @@ def fresh_venv_times(sdist: Path, env: dict, work: Path) -> tuple[float, float]:
         started = time.perf_counter()
         venv.pip("install", "-q", "--log", log, "--find-links", index, "cudelta", env=env, timeout=1800)
         total = time.perf_counter() - started
-    lines = log.read_text().splitlines()
+        lines = log.read_text().splitlines()
     begin = next(_log_seconds(x) for x in lines if "Collecting cudelta" in x)
     end = next(_log_seconds(x) for x in lines if "Created wheel for cudelta" in x)
     return total, end - begin
