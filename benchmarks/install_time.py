@@ -49,8 +49,8 @@ def _log_seconds(line: str) -> float:
 
 def fresh_venv_times(sdist: Path, env: dict, work: Path) -> tuple[float, float]:
     """(`pip install cudelta` in an empty venv, torch arriving as its dependency; the sdist's share
-    of it). The share is read off pip's timestamped log, from `Collecting cudelta` to `Created wheel
-    for cudelta` (finding it, the isolated build env, metadata, the build: detect, fetch, verify);
+    of it). The share is read off pip's timestamped log, from its first line about cudelta (the lookup) to
+    `Created wheel for cudelta` (finding it, the isolated build env, metadata, the build: detect, fetch, verify);
     the rest is torch and its dependencies. pip's cache is warm, as after any earlier install."""
     import shutil
 
@@ -64,7 +64,7 @@ def fresh_venv_times(sdist: Path, env: dict, work: Path) -> tuple[float, float]:
         venv.pip("install", "-q", "--log", log, "--find-links", index, "cudelta", env=env, timeout=1800)
         total = time.perf_counter() - started
         lines = log.read_text().splitlines()
-    begin = next(_log_seconds(x) for x in lines if "Collecting cudelta" in x)
+    begin = next(_log_seconds(x) for x in lines if "cudelta" in x)  # from the lookup of cudelta on
     end = next(_log_seconds(x) for x in lines if "Created wheel for cudelta" in x)
     return total, end - begin
 
@@ -154,7 +154,7 @@ def main() -> int:
         lines.append(f"| {name} | {pip} | {seconds:.1f} | {reps} | {target} |")
     lines += [f"| fresh venv, no torch: `pip install cudelta` (torch 2.14.1+cu130 comes as its dependency) | "
               f"{pip_version('bundled')} | {fresh_total:.1f} | 1 | |",
-              f"| of which cudelta's sdist (pip's log: `Collecting cudelta` to `Created wheel`) | "
+              f"| of which cudelta's sdist (pip's log: its lookup to `Created wheel`) | "
               f"{pip_version('bundled')} | {sdist_share:.1f} | 1 | |",
               f"| of which torch and its dependencies (the rest) | {pip_version('bundled')} | "
               f"{fresh_total - sdist_share:.1f} | 1 | |",
