@@ -64,7 +64,7 @@ def fresh_venv_times(sdist: Path, env: dict, work: Path) -> tuple[float, float]:
         venv.pip("install", "-q", "--log", log, "--find-links", index, "cudelta", env=env, timeout=1800)
         total = time.perf_counter() - started
         lines = log.read_text().splitlines()
-    begin = next(_log_seconds(x) for x in lines if "cudelta" in x)  # from the lookup of cudelta on
+    begin = next(_log_seconds(x) for x in lines if "versions of cudelta" in x)  # pip starts looking for it
     end = next(_log_seconds(x) for x in lines if "Created wheel for cudelta" in x)
     return total, end - begin
 
