@@ -21,6 +21,8 @@
 //   sm80     cp.async into shared memory in two commit groups, so the first half is reduced
 //            while the second is in flight
 //   sm90tma  clusters, and cp.async.bulk (the TMA engine) row copies completing on two mbarriers
+//   warp     layout vk only (kv runs generic): its own kernel, one warp per tile, no block sync
+//            (decode_vk_warp_kernel below)
 // Which one auto picks is decided by measurement (auto_variant in probe.cu).
 //
 // Both reductions of the step (pred = h'^T k and h'^T q) are done in one pass over the decayed
@@ -650,18 +652,25 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
 // butterfly: each level halves the rows a lane carries, so a 32-row tile costs 31 shuffles per
 // product instead of 32 x 5, and each lane ends with the sums of one row, whose u and output it
 // computes (the output store is one coalesced line); u comes back to the row's lanes by shuffle.
+// Rows per warp: the big build holds up to 32 rows, at most 128 state registers a lane; a batch
+// whose big-build warps leave some of the SM quarters (schedulers) idle takes the small build, 8
+// rows a warp, four times the warps, each with a quarter of the dependent work.
 template <int K, typename ST>
+constexpr int warp_rows_big() {
+  return 32 * 512 / (K * int(sizeof(ST))) < 32 ? 32 * 512 / (K * int(sizeof(ST))) : 32;
+}
+constexpr int kWarpRowsSmall = 8;
+
+template <int K, typename ST, int BW>
 struct WarpShape {
   static constexpr int E = Chunk<ST>::E;
   static constexpr int KC = K / E;                      // 16-byte chunks per row
   static constexpr int LPR = KC < 32 ? KC : 32;         // lanes per row
   static constexpr int CPL = KC / LPR;                  // chunks per lane in a row
   static constexpr int RPP = 32 / LPR;                  // rows per load instruction
-  static constexpr int BW0 = 32 * 512 / (K * int(sizeof(ST)));
-  static constexpr int BW = BW0 < 32 ? BW0 : 32;        // rows per warp: <= 128 state registers a lane
   static constexpr int NP = BW / RPP;                   // rows a lane holds
-  static constexpr int F = LPR / NP;                    // lanes that end with the same row (1 or 2)
-  static_assert(NP >= 2 && (F == 1 || F == 2), "warp tile shape");
+  static constexpr int F = LPR / NP;                    // lanes that end with the same row
+  static_assert(NP >= 2 && F >= 1 && LPR % NP == 0, "warp tile shape");
 };
 
 // The transposing butterfly from lane offset O down: N sums per lane, halved at each level until
@@ -700,27 +709,29 @@ __device__ __forceinline__ void opaque(uint4& x) {
 // Resident warps per SM the register cap aims at. A warp lives on one of the SM's four 16K-register
 // quarters, so the useful counts are 8 (255 registers), 12 (168) and 16 (128): a 128-register tile
 // takes 8 (at 12 it spilled), a 64-register one 12 (at 16 it spilled), smaller ones 16.
-template <int K, typename ST>
+template <int K, typename ST, int BW>
 constexpr int warp_min_blocks() {
-  using Sh = WarpShape<K, ST>;
+  using Sh = WarpShape<K, ST, BW>;
   constexpr int tile_regs = Sh::NP * Sh::CPL * 4;
   return tile_regs >= 128 ? 8 : tile_regs >= 64 ? 12 : 16;
 }
 
-template <int K, typename ST, bool PER_CHANNEL>
-__global__ void __launch_bounds__(32, (warp_min_blocks<K, ST>())) decode_vk_warp_kernel(const GdnDecodeParams p) {
+template <int K, typename ST, int BW, bool PER_CHANNEL>
+__global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW>())) decode_vk_warp_kernel(const GdnDecodeParams p) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
-  using Sh = WarpShape<K, ST>;
-  constexpr int E = Sh::E, KC = Sh::KC, LPR = Sh::LPR, CPL = Sh::CPL, RPP = Sh::RPP, BW = Sh::BW, NP = Sh::NP,
-                F = Sh::F;
+  using Sh = WarpShape<K, ST, BW>;
+  constexpr int E = Sh::E, KC = Sh::KC, LPR = Sh::LPR, CPL = Sh::CPL, RPP = Sh::RPP, NP = Sh::NP, F = Sh::F;
   const int lane = threadIdx.x;
   const int l = lane % LPR;
   const int r = lane / LPR;
-  const int64_t tiles = p.V / BW;
-  const int64_t nh = blockIdx.x / tiles;
-  const int64_t row0 = (blockIdx.x - nh * tiles) * BW;
-  const int64_t n = nh / p.HV, hv = nh - n * p.HV, h = hv / (p.HV / p.H);
+  // 32-bit: the grid is below 2^31 blocks, and a 64-bit division costs ~100 instructions on the
+  // path to the slot's load.
+  const uint32_t tiles = static_cast<uint32_t>(p.V) / BW, HV = static_cast<uint32_t>(p.HV);
+  const uint32_t nh32 = blockIdx.x / tiles;
+  const int64_t row0 = int64_t(blockIdx.x - nh32 * tiles) * BW;
+  const uint32_t n32 = nh32 / HV, hv32 = nh32 - n32 * HV;
+  const int64_t n = n32, hv = hv32, h = hv32 / (HV / static_cast<uint32_t>(p.H));
   const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
   const int64_t o_at = n * p.out_stride_n + hv * p.out_stride_h + row0;
   if (!slot_valid(p, slot)) {
@@ -851,14 +862,27 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST>())) decode_vk_warp
   }
 }
 
-template <int K, typename ST>
-int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.g_per_channel ? decode_vk_warp_kernel<K, ST, true> : decode_vk_warp_kernel<K, ST, false>;
+template <int K, typename ST, int BW>
+int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_vk_warp_kernel<K, ST, BW, true> : decode_vk_warp_kernel<K, ST, BW, false>;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.N * p.HV * (p.V / WarpShape<K, ST>::BW)));
+  cfg.gridDim = dim3(static_cast<unsigned>(p.N * p.HV * (p.V / BW)));
   cfg.blockDim = dim3(32);
   cfg.stream = stream;
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+template <int K, typename ST>
+int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
+  constexpr int kBig = warp_rows_big<K, ST>();
+  // The small build only for K = 128 (Qwen3-Next, Kimi-Linear): each build costs release compile time.
+  if constexpr (K == 128) {
+    const int64_t big_warps = p.N * p.HV * (p.V / kBig);
+    if (p.sm_count > 0 && big_warps < 4 * int64_t(p.sm_count)) {
+      return launch_vk_warp_rows<K, ST, kWarpRowsSmall>(p, stream);
+    }
+  }
+  return launch_vk_warp_rows<K, ST, kBig>(p, stream);
 }
 
 // ---------------------------------------------------------------------------------------------
