@@ -7,6 +7,7 @@
 //   cudelta::probe           what the driver loaded on a device: __CUDA_ARCH__, feature flags, and
 //                            the variant auto picks for large batches
 //   cudelta::build_info      the JSON build record embedded at compile time
+//   cudelta::variants        the kernel variant table (kernels/launch.h kVariants) as JSON
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -74,6 +75,15 @@ std::string shape_of(const Tensor& t) {
   return s + "]";
 }
 
+// "generic, sm80, ...": the variants an image of `cuda_arch` contains, in the table's order
+// (kernels/launch.h kVariants).
+std::string variants_for(int cuda_arch) {
+  std::string names;
+  for (const VariantInfo& v : kVariants)
+    if (v.min_arch <= cuda_arch) names += (names.empty() ? "" : ", ") + std::string(v.name);
+  return names;
+}
+
 std::string fix_command(int cc) {
   return "FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST=" + std::to_string(cc / 10) + "." + std::to_string(cc % 10) +
          " pip install --no-cache-dir --force-reinstall cudelta";
@@ -90,14 +100,13 @@ Variant select(int device, int64_t requested, int64_t heads, ImageInfo* info, bo
   }
   if (requested < 0) return auto_variant(info->cuda_arch, heads, state_vk);
   CUDELTA_CHECK(requested < kNumVariants, "cudelta: kernel variant ", requested,
-                  " does not exist; accepted: generic, sm80, sm90, sm90tma, warp (CUDELTA_KERNEL_VARIANT)");
+                  " does not exist; accepted: ", variants_for(1 << 30), " (CUDELTA_KERNEL_VARIANT)");
   const auto v = static_cast<Variant>(requested);
   const int cc = info->compute_capability;
   CUDELTA_CHECK(variant_min_arch(v) <= info->cuda_arch, "cudelta: kernel variant ", variant_name(v),
                   " needs an sm_", variant_min_arch(v) / 10, "+ image, but CUDA device ", device, " (compute ",
                   cc / 10, ".", cc % 10, ") runs the sm_", info->cuda_arch / 10,
-                  " image; variants it can run: generic, warp", info->cuda_arch >= 800 ? ", sm80" : "",
-                  info->cuda_arch >= 900 ? ", sm90, sm90tma" : "");
+                  " image; variants it can run: ", variants_for(info->cuda_arch));
   return v;
 }
 
@@ -313,6 +322,17 @@ std::vector<int64_t> probe(int64_t device) {
 
 std::string build_info() { return kBuildInfoJson; }
 
+// The variant table as JSON, [{"name": "generic", "id": 0, "min_arch": 0}, ...]: all Python knows of
+// the variants (cudelta/_native.py variants()).
+std::string variants() {
+  std::string out = "[";
+  for (const VariantInfo& v : kVariants) {
+    out += (out.size() > 1 ? ", " : "") + std::string("{\"name\": \"") + v.name + "\", \"id\": " +
+           std::to_string(static_cast<int>(v.id)) + ", \"min_arch\": " + std::to_string(v.min_arch) + "}";
+  }
+  return out + "]";
+}
+
 }  // namespace
 }  // namespace cudelta
 
@@ -331,6 +351,7 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
   m.def("select_variant(int device, int requested, int heads) -> int");
   m.def("probe(int device) -> int[]");
   m.def("build_info() -> str");
+  m.def("variants() -> str");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cudelta, CUDA, m) {
@@ -342,4 +363,5 @@ STABLE_TORCH_LIBRARY_IMPL(cudelta, CompositeExplicitAutograd, m) {
   m.impl("select_variant", TORCH_BOX(&cudelta::select_variant));
   m.impl("probe", TORCH_BOX(&cudelta::probe));
   m.impl("build_info", TORCH_BOX(&cudelta::build_info));
+  m.impl("variants", TORCH_BOX(&cudelta::variants));
 }

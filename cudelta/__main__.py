@@ -14,8 +14,6 @@ import torch
 from . import _native
 from .reference import gdn_decode_reference
 
-VARIANT_NAMES = {v: k for k, v in _native.VARIANTS.items()}
-
 
 def driver_cuda_version() -> Optional[str]:
     """The CUDA version the driver supports, e.g. '13.0' (the same reading the loader's guard uses)."""
@@ -89,12 +87,12 @@ def gpu_report(index: int, run_smoke: bool) -> dict:
                           f"FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST={props.major}.{props.minor} {_native.REINSTALL}")
         return entry
     entry["image"] = {"cuda_arch": arch, "arch_specific": bool(arch_specific), "family_specific": bool(family)}
-    entry["variant_auto"] = VARIANT_NAMES[chosen]
-    requested = _native.requested_variant()
-    entry["variant_in_use"] = VARIANT_NAMES[chosen if requested < 0 else requested]
+    names = {vid: name for name, vid in st.variants.items()}
+    entry["variant_auto"] = names[chosen]
+    entry["variant_in_use"] = names[chosen if st.variant < 0 else st.variant]
     if run_smoke:
         smoke = {}
-        for name, vid in _native.VARIANTS.items():
+        for name, vid in st.variants.items():
             try:
                 torch.ops.cudelta.select_variant(index, vid, 1 << 30)
             except RuntimeError as exc:

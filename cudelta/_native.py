@@ -7,19 +7,19 @@ the command that fixes it, never with `undefined symbol` from deep inside the lo
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from . import _build_record
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-VARIANTS = {"generic": 0, "sm80": 1, "sm90": 2, "sm90tma": 3, "warp": 4}
 VARIANT_ENV = "CUDELTA_KERNEL_VARIANT"
 REINSTALL = "pip install --no-cache-dir --force-reinstall cudelta"
 
@@ -35,6 +35,8 @@ class NativeStatus:
     loaded: bool
     reason: str  # why not loaded, or "loaded"
     variant: int = -1  # CUDELTA_KERNEL_VARIANT, read once at load (no environ lookup per call)
+    # Kernel variant name -> id, from the library's own table (kernels/launch.h kVariants).
+    variants: Mapping[str, int] = field(default_factory=dict)
 
 
 _lock = threading.Lock()
@@ -141,7 +143,26 @@ def _load() -> NativeStatus:
     except (OSError, RuntimeError) as exc:
         return NativeStatus(path, info, False, f"loading {path.name} failed: {exc}. Rebuild: FORCE_BUILD=1 {REINSTALL}")
     _register_fake()
-    return NativeStatus(path, info, True, "loaded", requested_variant())
+    table = _variant_table()
+    return NativeStatus(path, info, True, "loaded", requested_variant(os.environ, table), table)
+
+
+def _variant_table() -> dict:
+    """{name: id} of the loaded library's kernel variants, in id order (cudelta::variants)."""
+    rows = json.loads(torch.ops.cudelta.variants())
+    return {row["name"]: int(row["id"]) for row in sorted(rows, key=lambda row: row["id"])}
+
+
+def variants() -> Mapping[str, int]:
+    """Kernel variant name -> id, as the loaded library defines them; empty without a library."""
+    return status().variants
+
+
+def __getattr__(name: str):
+    # `_native.VARIANTS`, the constant this table replaced, for callers that still name it.
+    if name == "VARIANTS":
+        return variants()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _register_fake() -> None:
@@ -154,14 +175,14 @@ def _register_fake() -> None:
             return None
 
 
-def requested_variant(environ=os.environ) -> int:
-    """CUDELTA_KERNEL_VARIANT: auto (default) | generic | sm80 | sm90 | sm90tma | warp -> -1 | 0 | 1 | 2 | 3 | 4."""
+def requested_variant(environ: Mapping[str, str], table: Mapping[str, int]) -> int:
+    """CUDELTA_KERNEL_VARIANT: auto (default) or a name of `table` (the library's variants) -> -1 or its id."""
     raw = environ.get(VARIANT_ENV, "").strip().lower()
     if raw in ("", "auto"):
         return -1
-    if raw not in VARIANTS:
-        raise ValueError(f"{VARIANT_ENV}={raw!r} is not accepted; expected one of: auto, {', '.join(VARIANTS)}")
-    return VARIANTS[raw]
+    if raw not in table:
+        raise ValueError(f"{VARIANT_ENV}={raw!r} is not accepted; expected one of: auto, {', '.join(table)}")
+    return table[raw]
 
 
 def notice_once(key: str, message: str) -> None:

@@ -13,13 +13,38 @@ enum class Variant : int {
   kSm90Tma = 3,  // clusters + cp.async.bulk (TMA engine) row copies on mbarriers: sm_90+
   kWarp = 4,     // layout vk: one warp per tile held in registers, no block sync (kv: as generic): any arch
 };
-constexpr int kNumVariants = 5;
-const char* variant_name(Variant v);
+
+// The one table of kernel variants: the id (index = Variant), the name users and Python see
+// (CUDELTA_KERNEL_VARIANT, `python -m cudelta`, error messages) and the lowest __CUDA_ARCH__ of an
+// image that contains its device code. Python reads it from the library (cudelta::variants);
+// nothing else repeats it.
+struct VariantInfo {
+  Variant id;
+  const char* name;
+  int min_arch;
+};
+inline constexpr VariantInfo kVariants[] = {
+    {Variant::kGeneric, "generic", 0},
+    {Variant::kSm80, "sm80", 800},
+    {Variant::kSm90, "sm90", 900},
+    {Variant::kSm90Tma, "sm90tma", 900},
+    {Variant::kWarp, "warp", 0},
+};
+constexpr int kNumVariants = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
+constexpr bool variants_in_id_order() {
+  for (int i = 0; i < kNumVariants; ++i)
+    if (static_cast<int>(kVariants[i].id) != i) return false;
+  return true;
+}
+static_assert(variants_in_id_order(), "kVariants must list the variants in id order");
+
+inline const char* variant_name(Variant v) { return kVariants[static_cast<int>(v)].name; }
+// Lowest __CUDA_ARCH__ of an image that contains the variant's device code.
+inline int variant_min_arch(Variant v) { return kVariants[static_cast<int>(v)].min_arch; }
+
 // What auto picks for an image (__CUDA_ARCH__), a launch of `heads` (request, head) pairs and a
 // state layout.
 Variant auto_variant(int image_arch, int64_t heads, bool state_vk);
-// Lowest __CUDA_ARCH__ of an image that contains the variant's device code.
-int variant_min_arch(Variant v);
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 

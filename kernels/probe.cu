@@ -36,28 +36,6 @@ bool g_cached[kMaxDevices] = {};
 
 }  // namespace
 
-const char* variant_name(Variant v) {
-  switch (v) {
-    case Variant::kGeneric: return "generic";
-    case Variant::kSm80: return "sm80";
-    case Variant::kSm90: return "sm90";
-    case Variant::kSm90Tma: return "sm90tma";
-    case Variant::kWarp: return "warp";
-  }
-  return "unknown";
-}
-
-int variant_min_arch(Variant v) {
-  switch (v) {
-    case Variant::kGeneric: return 0;
-    case Variant::kSm80: return 800;
-    case Variant::kSm90: return 900;
-    case Variant::kSm90Tma: return 900;
-    case Variant::kWarp: return 0;
-  }
-  return 1 << 30;
-}
-
 Variant auto_variant(int image_arch, int64_t heads, bool state_vk) {
   // Measured on H100 with this build (benchmarks/results-h100-kernel.md, K=V=128, graph replay):
   // layout kv: plain register loads are fastest or tied at every batch (B=1024 fp32: generic 1799 us,

@@ -1,5 +1,7 @@
 """The CUDA kernels against the PyTorch reference, on a real GPU (marker `gpu`), for every option."""
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,13 +15,28 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-VARIANTS = list(_native.VARIANTS.items())
+VARIANTS = list(_native.variants().items())  # the library's own table (cudelta::variants)
 LAYOUTS = {"kv": 0, "vk": 1}
 RULES = {"negative": 0, "nonpositive": 1}
 
 
+def source_tree_problem(package_dir, has_library):
+    """Why these tests must not run against `package_dir`, or None: `python -m pytest` from the root
+    puts the root first on sys.path, so `import cudelta` finds ./cudelta, which has no library."""
+    if has_library or Path(package_dir).resolve() != Path(__file__).resolve().parents[2] / "cudelta":
+        return None
+    return (f"tests/gpu imported cudelta from the source folder {package_dir}, which has no native library "
+            "(`python -m pytest` puts the current folder first on sys.path). Install cudelta "
+            "(pip install . or the wheel), then run the installed one: `pytest -m gpu tests/gpu`, or "
+            "`python -P -m pytest -m gpu tests/gpu` (-P: no current folder on sys.path), or "
+            "scripts/gpu_tests.sh.")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def native_loaded():
+    problem = source_tree_problem(Path(cudelta.__file__).parent, _native.library_path() is not None)
+    if problem:
+        pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
     st = _native.status()
     assert st.loaded, f"native library not loaded on a GPU machine: {st.reason}"
 
@@ -146,11 +163,11 @@ def test_warp_build_over_an_engine_batch_and_several_steps(kind, K, V, state_dty
              invalid=(3, 8))
     t["idx"][5] = 0
     for _ in range(3):
-        assert_step_matches(kind, _native.VARIANTS["warp"], t, gates="raw", layout="vk", rule="nonpositive")
+        assert_step_matches(kind, _native.variants()["warp"], t, gates="raw", layout="vk", rule="nonpositive")
 
 
 def test_auto_takes_the_warp_build_for_vk():
-    assert torch.ops.cudelta.select_variant(0, -1, 1) in _native.VARIANTS.values()
+    assert torch.ops.cudelta.select_variant(0, -1, 1) in _native.variants().values()
     t = make(N=3, H=2, HV=4, K=128, V=128, P=6, layout="vk")
     assert_step_matches("gdn", -1, t, gates="raw", layout="vk")
 
@@ -302,4 +319,5 @@ def test_probe_reports_the_image_that_ran():
     assert arch // 10 <= cc and arch > 0
     if (major, minor) == (9, 0):
         assert arch == 900 and arch_specific == 1  # the sm_90a cubin, not PTX or sm_80
-        assert torch.ops.cudelta.select_variant(0, _native.VARIANTS["sm90"], 32) == _native.VARIANTS["sm90"]
+        sm90 = _native.variants()["sm90"]
+        assert torch.ops.cudelta.select_variant(0, sm90, 32) == sm90
