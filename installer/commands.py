@@ -16,7 +16,7 @@ from setuptools import Extension
 from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
 from setuptools.command.sdist import sdist as _sdist
 
-from . import local_build, native
+from . import local_build, native, platform_tag
 from .build_record import git_revision
 from .errors import InstallerError
 from .log import say
@@ -50,7 +50,7 @@ class bdist_wheel(_bdist_wheel):
             self.distribution.ext_modules = [Extension("cudelta._C", sources=[])]
             self.py_limited_api = native.PY_LIMITED_API_TAG
             if self._settings.release_build:
-                self.plat_name = local_build.release_platform(self._target.machine)
+                self.plat_name = platform_tag.release_platform(self._target.machine)
         super().finalize_options()
 
     def run(self) -> None:

@@ -22,16 +22,10 @@ from . import build_record, native, platform_tag, toolchain
 from .errors import InstallerError
 from .log import say
 from .plan import compile_archs
+from .platform_tag import release_platform
 from .settings import Settings
 from .target import TargetEnv
 from .wheel_version import retag_version, with_local_label
-
-# The platform tag a release wheel claims (and is checked for): the glibc floor release builds
-# link against (installer/glibc_floor.py), on the CPU they are built for.
-def release_platform(machine: str) -> str:
-    """The tag a release wheel for `machine` ('x86_64', 'aarch64') carries: the manylinux floor."""
-    return platform_tag.manylinux_tag(platform_tag.MANYLINUX_FLOOR, machine)
-
 
 @dataclass(frozen=True)
 class Compile:

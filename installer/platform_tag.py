@@ -99,3 +99,9 @@ def required_glibc(libraries: Iterable[Path]) -> Optional[tuple[int, int]]:
 
 def manylinux_tag(glibc: tuple[int, int], machine: str) -> str:
     return f"manylinux_{glibc[0]}_{glibc[1]}_{machine}"
+
+
+def release_platform(machine: str) -> str:
+    """The tag a release wheel claims: manylinux_2_28_<machine>. The one place it is spelled
+    (the release build's wheel name, scripts/check_wheel.py's expected tag)."""
+    return manylinux_tag(MANYLINUX_FLOOR, machine)

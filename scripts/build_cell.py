@@ -146,7 +146,7 @@ def check_arch(wheel: Path, arch: str) -> None:
     if machines != {arch} or not wheel.name.endswith(f"_{arch}.whl"):
         raise CellError(f"{wheel.name}: library for {', '.join(sorted(machines)) or 'nothing'}, cell {arch}; "
                         "the release tag must come from the library's arch ("
-                        "installer/local_build.py label_release_wheel / release_platform)")
+                        "installer/local_build.py label_release_wheel, installer/platform_tag.py release_platform)")
 
 
 def repair(wheel: Path, plat: str, out: Path, env: dict) -> Path:

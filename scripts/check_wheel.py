@@ -52,7 +52,7 @@ from wheel_audits import LinkChecks, ToolChecks, auditwheel_verdict, host_glibc_
 from wheel_parsers import *  # noqa: E402,F401,F403  (re-exported: tests and callers use check_wheel.X)
 from wheel_parsers import (  # noqa: E402
     BUILD_INFO, CHECK_NAMES, EXPECTED_TAG_RE, FAIL, INFO, LIBRARY, PACKAGE, PASS, PYTHON_FLOOR, Check,
-    ToolMissing, coverage, cuda_label, dist_version, elf_listing_name, elf_sections, fatbin_payload_sizes,
+    ToolMissing, build_record, coverage, cuda_label, dist_version, elf_listing_name, elf_sections, fatbin_payload_sizes,
     find_cuobjdump, first_line, native, parse_cuobjdump_list, parse_fatbin_headers, parse_wheel_filename,
     ptx_listing_name, record_problems, run_tool,
 )
@@ -71,11 +71,12 @@ class WheelChecker(LinkChecks, ToolChecks):
         self.name = parse_wheel_filename(wheel.name)
         self.info_problem = f"{BUILD_INFO} is missing from the wheel"
         try:
-            self.info: dict = json.loads(self.files[BUILD_INFO])
+            # Through the record's one reader (schema 1 and 2 alike); each check requires its keys.
+            self.info: dict = build_record.loads(self.files[BUILD_INFO].decode(), required=())
         except KeyError:
             self.info = {}
         except ValueError as exc:
-            self.info, self.info_problem = {}, f"{BUILD_INFO} is not JSON: {exc}"
+            self.info, self.info_problem = {}, f"{BUILD_INFO} is not a build record: {exc}"
         self._cache: dict[str, str] = {}
 
     # tools, run once each
@@ -131,7 +132,7 @@ class WheelChecker(LinkChecks, ToolChecks):
         return not problems, "; ".join(problems) or f"{tag} (filename and WHEEL), {LIBRARY}", {"tag": tag}
 
     def check_version_label(self):
-        self.require_info("cuda_toolkit", "variant", "version")
+        self.require_info("cuda_toolkit", "cuda_label", "version")
         version = self.name["version"]
         m = re.fullmatch(r"(?P<public>[0-9][^+]*)\+(?P<label>cu\d+)", version)
         expected = cuda_label(self.info["cuda_toolkit"])
@@ -144,8 +145,8 @@ class WheelChecker(LinkChecks, ToolChecks):
                                 f"{self.info['cuda_toolkit']} means +{expected}")
             if self.info["version"] != m.group("public"):
                 problems.append(f"build info version {self.info['version']} != {m.group('public')}")
-        if self.info["variant"] != expected:
-            problems.append(f"build info variant {self.info['variant']} != {expected}")
+        if self.info["cuda_label"] != expected:
+            problems.append(f"build info cuda_label {self.info['cuda_label']} != {expected}")
         detail = "; ".join(problems) or f"{version}: +{expected} = CUDA {self.info['cuda_toolkit']}"
         return not problems, detail, {"version": version, "label": expected}
 

@@ -47,19 +47,18 @@ if __name__ == "__main__":  # run as a script: the installer package lives in th
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from installer import build_record, cuda
 from installer.errors import InstallerError
 from installer.manifest import Asset, Manifest, asset_to_dict, parse_asset, parse_manifest
 from installer.verify import sha256_file
 
 PROJECT = "cudelta"
-BUILD_INFO = "cudelta/_build_info.json"
+BUILD_INFO = f"cudelta/{build_record.FILENAME}"
 MANIFEST_NAME = "manifest.json"
 SUMS_NAME = "SHA256SUMS"
 INDEX_DIR = "whl"
-# Keys of _build_info.json the manifest needs (installer/native.py build_record writes them).
+# Keys of the build record the manifest needs (cudelta/_build_record.py: the contract).
 BUILD_INFO_KEYS = ("version", "cuda_toolkit", "archs", "ptx", "torch_floor", "python_floor")
-
-_MAJOR_MINOR_RE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*")
 
 
 class ReleaseError(Exception):
@@ -129,15 +128,9 @@ def read_build_info(zf: zipfile.ZipFile, wheel_name: str) -> Dict[str, Any]:
             "CUDELTA_RELEASE_BUILD=1 python setup.py bdist_wheel"
         ) from None
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ReleaseError(f"{wheel_name}: {BUILD_INFO} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ReleaseError(f"{wheel_name}: {BUILD_INFO} is not a JSON object")
-    missing = [k for k in BUILD_INFO_KEYS if k not in data]
-    if missing:
-        raise ReleaseError(f"{wheel_name}: {BUILD_INFO} lacks {', '.join(missing)}")
-    return data
+        return build_record.loads(raw.decode("utf-8", "replace"), required=BUILD_INFO_KEYS)
+    except build_record.BuildRecordError as exc:
+        raise ReleaseError(f"{wheel_name}: {BUILD_INFO}: {exc}") from None
 
 
 # -- checks (pure) --------------------------------------------------------------------------------
@@ -195,10 +188,10 @@ def check_one_per_variant(wheels: Sequence[WheelInput]) -> None:
 
 def cuda_major_minor(toolkit: Any, wheel_name: str) -> str:
     """'13.0' or '13.0.88' -> '13.0'."""
-    m = _MAJOR_MINOR_RE.fullmatch(str(toolkit).strip())
-    if not m:
-        raise ReleaseError(f"{wheel_name}: {BUILD_INFO} cuda_toolkit {toolkit!r} is not a CUDA version like '13.0'")
-    return f"{int(m.group(1))}.{int(m.group(2))}"
+    try:
+        return cuda.format_version(cuda.parse_version(str(toolkit), patch_ok=True))
+    except ValueError:
+        raise ReleaseError(f"{wheel_name}: {BUILD_INFO} cuda_toolkit {toolkit!r} is not a CUDA version like '13.0'") from None
 
 
 def platform_of(wheel_name: str) -> str:
@@ -211,18 +204,18 @@ def platform_of(wheel_name: str) -> str:
 
 def make_asset(name: str, size: int, sha256: str, build_info: Mapping[str, Any]) -> Asset:
     """One manifest entry, validated exactly as the installer will parse it."""
-    cuda = cuda_major_minor(build_info.get("cuda_toolkit"), name)
+    toolkit = cuda_major_minor(build_info.get("cuda_toolkit"), name)
     asset = Asset(
         name=name,
         size=size,
         sha256=sha256,
-        cuda=cuda,
+        cuda=toolkit,
         platform=platform_of(name),
         archs=tuple(build_info.get("archs") or ()),
         ptx=tuple(build_info.get("ptx") or ()),
         torch_floor=str(build_info.get("torch_floor")),
         python_floor=str(build_info.get("python_floor")),
-        driver_floor=f"{cuda.split('.')[0]}.0",
+        driver_floor=cuda.format_version((cuda.parse_version(toolkit)[0], 0)),
     )
     try:
         return parse_asset(asset_to_dict(asset), where=name)
@@ -248,8 +241,7 @@ def sha256sums(entries: Iterable[Tuple[str, str]]) -> str:
 
 def flavour(asset: Asset) -> str:
     """'13.0' -> 'cu130', the folder name of that toolkit's index."""
-    major, minor = asset.cuda_tuple
-    return f"cu{major}{minor}"
+    return asset.cuda_label
 
 
 def wheel_href(name: str, sha256: str, page_dir: str, link_base: Optional[str]) -> str:

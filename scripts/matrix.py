@@ -27,6 +27,12 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from installer import cuda  # noqa: E402  (stdlib only: the label of a toolkit)
+
 CUDA_VERSIONS = ("12.9", "13.0")
 ARCHS = ("x86_64", "aarch64")
 # torch the release builds against (any torch >= the floor 2.10 works: the stable ABI is the contract).
@@ -40,10 +46,9 @@ IMAGES = {
 }
 
 
-def label(cuda: str) -> str:
+def label(toolkit: str) -> str:
     """'12.9' -> 'cu129'."""
-    major, minor = cuda.split(".")[:2]
-    return f"cu{int(major)}{int(minor)}"
+    return cuda.label_of(toolkit)
 
 
 def cell(cuda: str, arch: str) -> Dict[str, str]:

@@ -25,7 +25,7 @@ import json, cudelta, torch
 from cudelta import _native
 s = _native.status()
 print(json.dumps({"torch": torch.__version__, "library": str(s.path), "loaded": s.loaded, "reason": s.reason,
-                  "variant": (s.build_info or {}).get("variant"), "archs": (s.build_info or {}).get("archs")}))
+                  "cuda_label": (s.build_info or {}).get("cuda_label"), "archs": (s.build_info or {}).get("archs")}))
 raise SystemExit(0 if s.loaded else 1)
 """
 

@@ -27,18 +27,19 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from installer import native, platform_tag  # noqa: E402  (stdlib only: release archs, floor, ELF versions)
+from installer import build_record, cuda, native, platform_tag  # noqa: E402  (stdlib only: archs, floor, ELF, record)
+from matrix import ARCHS  # noqa: E402  (scripts/: the release's CPU arches)
 
 PACKAGE = "cudelta"
 LIBRARY = "cudelta/_C.abi3.so"
 BUILD_INFO = "cudelta/_build_info.json"
-# The platform part is whatever glibc the build host forced (installer/platform_tag.py): 2_28 from a
-# manylinux_2_28 image; the glibc check below holds the library to the tag it claims.
-EXPECTED_TAG = f"{native.PY_LIMITED_API_TAG}-abi3-manylinux_2_28_x86_64"
-# A release asset is manylinux_2_28, on either arch: the build links against glibc 2.28
-# (installer/glibc_floor.py), and the glibc check holds the library to the tag it claims.
-EXPECTED_TAG_RE = re.compile(rf"^{native.PY_LIMITED_API_TAG}-abi3-manylinux_2_28_(x86_64|aarch64)$")
-PYTHON_FLOOR = "3.10"
+# A release asset claims the manylinux_2_28 tag (installer/platform_tag.py release_platform), on either
+# arch: the build links against glibc 2.28 (installer/glibc_floor.py), and the glibc check holds the
+# library to the tag it claims.
+EXPECTED_TAG = f"{native.PY_LIMITED_API_TAG}-abi3-{platform_tag.release_platform('x86_64')}"
+EXPECTED_TAG_RE = re.compile(rf"^{native.PY_LIMITED_API_TAG}-abi3-("
+                             + "|".join(re.escape(platform_tag.release_platform(arch)) for arch in ARCHS) + ")$")
+PYTHON_FLOOR = build_record.PYTHON_FLOOR
 
 # auditwheel's manylinux_2_28 x86_64 policy (src/auditwheel/policy/manylinux-policy.json): the newest
 # symbol version of each versioned system library a manylinux_2_28 wheel may require.
@@ -89,26 +90,27 @@ def parse_wheel_filename(filename: str) -> dict:
 
 
 def cuda_label(toolkit: str) -> str:
-    """'13.0' -> 'cu130': the local version label and build info's variant."""
-    major, minor = (int(x) for x in toolkit.split(".")[:2])
-    return f"cu{major}{minor}"
+    """'13.0' -> 'cu130': the local version label and the build record's cuda_label."""
+    return cuda.label_of(toolkit)
 
 
 def elf_listing_name(cubin: str) -> str:
     """How `cuobjdump --list-elf` names a build-info cubin: nvcc 13 lists the family cubins sm_100f /
     sm_120f as sm_100 / sm_120, and keeps arch-specific names (sm_90a)."""
-    m = re.fullmatch(r"sm_(\d+)([af]?)", cubin)
-    if not m:
+    if not cuda.is_cubin(cubin):
         raise ValueError(f"{cubin!r} is not a cubin arch (sm_80, sm_90a, sm_100f)")
-    return f"sm_{m.group(1)}" + ("a" if m.group(2) == "a" else "")
+    return _listing_name(cuda.CodeArch.parse(cubin))
 
 
 def ptx_listing_name(ptx: str) -> str:
     """How `cuobjdump --list-ptx` (and the fatbin header) names a build-info PTX: compute_120 -> sm_120."""
-    m = re.fullmatch(r"compute_(\d+)([af]?)", ptx)
-    if not m:
+    if not cuda.is_ptx(ptx):
         raise ValueError(f"{ptx!r} is not a PTX arch (compute_120)")
-    return f"sm_{m.group(1)}" + ("a" if m.group(2) == "a" else "")
+    return _listing_name(cuda.CodeArch.parse(ptx))
+
+
+def _listing_name(arch: "cuda.CodeArch") -> str:
+    return str(cuda.CodeArch("sm", arch.major, arch.minor, "a" if arch.suffix == "a" else ""))
 
 
 def parse_cuobjdump_list(text: str, kind: str) -> list[tuple[str, str]]:
