@@ -1,4 +1,4 @@
-"""PyTorch reference of the delta-rule decode step (DESIGN.md, "The kernels").
+"""PyTorch reference of the delta-rule decode step (ARCHITECTURE.md, "The decode step").
 
 Runs anywhere torch runs: it is what CPU tensors and pure-Python wheels use, and what the CUDA
 kernels are tested against. It takes every option the kernels take (both state layouts, fp32 or
