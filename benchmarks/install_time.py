@@ -10,7 +10,7 @@ CUDELTA_TEST_CACHE), the sdist and release assets built from this tree, the loca
 release server. Each install goes into a fresh venv that already has torch (as a user's would), and
 the fresh-venv rows into an empty one where torch comes as cudelta's dependency;
 pip's own cache is warm after the first run, as on any machine that has installed anything.
-Targets (issue 2): fetch path <= 10 s with torch present; detection <= 0.5 s.
+Targets: fetch path <= 10 s with torch present; detection <= 0.5 s.
 """
 
 from __future__ import annotations

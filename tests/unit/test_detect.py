@@ -326,8 +326,12 @@ def test_driver_probe_without_libcuda_is_a_note():
     assert facts.driver_cuda is None and facts.gpus == () and not facts.failed
 
 
-@pytest.mark.skipif(not CU_PYTHON.exists(), reason="needs the torch 2.14.1+cu130 base venv of the build tests")
+@pytest.mark.e2e  # needs the torch 2.14.1+cu130 base venv (tests/envs.py), made once for the slow tests
 def test_detect_real_torch_venv_is_fast():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import envs
+
+    assert Path(envs.base_cu().python) == CU_PYTHON
     d.detect(Settings(target_python=CU_PYTHON))  # warm the page cache
     started = time.perf_counter()
     env = d.detect(Settings(target_python=CU_PYTHON))
