@@ -1,7 +1,7 @@
 """Public ops: the CUDA kernel where it can run, the PyTorch reference everywhere else.
 
 Both paths take the same options and check arguments alike (cudelta.reference.check_args and
-resolve_gates' messages), so a call that is wrong fails the same way on a CPU and on a GPU.
+check_gates), so a call that is wrong fails the same way on a CPU and on a GPU.
 """
 
 from __future__ import annotations
@@ -14,39 +14,13 @@ from . import _native
 from .reference import (
     LAYOUTS,
     check_args,
+    check_gates,
     gdn_decode_reference,
     kda_decode_reference,
     min_valid_slot,
 )
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_gates(kind, q, v, g, beta, a, b, A_log, dt_bias):
-    """The same gate errors as the reference, without computing anything (this runs per call)."""
-    N, K, HV = q.shape[0], q.shape[2], v.shape[1]
-    per_channel = kind == "kda"
-    g_shape = (N, HV, K) if per_channel else (N, HV)
-    raw = (a, A_log, dt_bias)
-    if g is not None:
-        if any(x is not None for x in raw):
-            raise ValueError("pass either g or the raw gate (a, A_log, dt_bias), not both")
-        if tuple(g.shape) != g_shape:
-            hint = " (per-channel gates are KDA)" if not per_channel and g.dim() == 3 else ""
-            raise ValueError(f"{kind.upper()} g must be {list(g_shape)}; got {list(g.shape)}{hint}")
-    else:
-        if any(x is None for x in raw):
-            missing = [n for n, x in zip(("a", "A_log", "dt_bias"), raw) if x is None]
-            raise ValueError(f"no gate: pass g, or a with A_log and dt_bias (missing {', '.join(missing)})")
-        bias_shape = (HV, K) if per_channel else (HV,)
-        for name, x, want in (("a", a, g_shape), ("A_log", A_log, (HV,)), ("dt_bias", dt_bias, bias_shape)):
-            if tuple(x.shape) != want:
-                raise ValueError(f"{kind.upper()} {name} must be {list(want)}; got {list(x.shape)}")
-    if (beta is None) == (b is None):
-        raise ValueError("pass exactly one of beta (in (0, 1)) and b (raw, sigmoid applied)")
-    x = beta if beta is not None else b
-    if tuple(x.shape) != (N, HV):
-        raise ValueError(f"{'beta' if beta is not None else 'b'} must be [{N}, {HV}]; got {list(x.shape)}")
 
 
 def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout, invalid_slot,
@@ -70,7 +44,7 @@ def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use
                             "using the reference")
         return reference(*args, **options)
     check_args(q, k, v, state, idx, layout, out)
-    _check_gates(kind, q, v, g, beta, a, b, A_log, dt_bias)
+    check_gates(kind, q.shape[0], v.shape[1], q.shape[2], g, beta, a, b, A_log, dt_bias)
     lowest = min_valid_slot(invalid_slot)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)

@@ -43,8 +43,9 @@ def check_head_dims(K: int, V: int) -> None:
             raise ValueError(f"head dim {name}={size} is not supported; accepted: {', '.join(map(str, HEAD_DIMS))}")
 
 
-def resolve_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias):
-    """(log-decay, beta) in fp32 from either the precomputed or the raw form, with named errors."""
+def check_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias) -> None:
+    """The gate errors, named, without computing anything: the reference and the kernel path
+    (cudelta.ops, per call) both check with this."""
     per_channel = kind == "kda"
     g_shape = (N, HV, K) if per_channel else (N, HV)
     raw = (a, A_log, dt_bias)
@@ -58,7 +59,6 @@ def resolve_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias):
         for name, x, want in (("a", a, g_shape), ("A_log", A_log, (HV,)), ("dt_bias", dt_bias, bias_shape)):
             if tuple(x.shape) != want:
                 raise ValueError(f"{kind.upper()} {name} must be {list(want)}; got {list(x.shape)}")
-        g = (kda_gate if per_channel else gdn_gate)(a, A_log, dt_bias)
     elif tuple(g.shape) != g_shape:
         hint = " (per-channel gates are KDA)" if not per_channel and g.dim() == 3 else ""
         raise ValueError(f"{kind.upper()} g must be {list(g_shape)}; got {list(g.shape)}{hint}")
@@ -67,6 +67,13 @@ def resolve_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias):
     x = beta if beta is not None else b
     if tuple(x.shape) != (N, HV):
         raise ValueError(f"{'beta' if beta is not None else 'b'} must be [{N}, {HV}]; got {list(x.shape)}")
+
+
+def resolve_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias):
+    """(log-decay, beta) in fp32 from either the precomputed or the raw form, with named errors."""
+    check_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias)
+    if g is None:
+        g = (kda_gate if kind == "kda" else gdn_gate)(a, A_log, dt_bias)
     return g.float(), (beta.float() if beta is not None else torch.sigmoid(b.float()))
 
 
