@@ -18,6 +18,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -125,6 +126,24 @@ DType float_dtype(const char* op, const char* name, ScalarType t) {
       CUDELTA_CHECK(false, op, ": ", name, " has dtype ", dtype_name(t), "; accepted: bfloat16, float16, float32");
   }
   return DType::kFloat32;
+}
+
+// A [N, H, K] tensor whose rows a lane may read as 16-byte vectors: its start and its outer
+// strides whole 16-byte units (a slice of a packed projection usually is).
+bool aligned16(const Tensor& t) {
+  const int64_t es = t.scalar_type() == ScalarType::Float ? 4 : 2;
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (t.stride(0) * es) % 16 == 0 &&
+         (t.stride(1) * es) % 16 == 0;
+}
+
+// CUDELTA_PDL=0 turns programmatic dependent launch off (read once; default on where the image
+// is sm_90+), to time the kernels without it.
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("CUDELTA_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
 }
 
 bool head_dim_ok(int64_t d) { return d == 64 || d == 128 || d == 256; }
@@ -245,6 +264,7 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   p.v_stride_n = v.stride(0);
   p.v_stride_h = v.stride(1);
   p.dtype = dt;
+  p.qk_aligned = aligned16(q) && aligned16(k);
   p.g = gate.data_ptr();
   p.g_dtype = float_dtype(op, "g", gate.scalar_type());
   p.g_stride_n = gate.stride(0);
@@ -281,6 +301,7 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   p.use_qk_l2norm = use_qk_l2norm;
   p.device = device;
   p.sm_count = info.sm_count;
+  p.pdl = info.cuda_arch >= 900 && pdl_enabled();
 
   torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;

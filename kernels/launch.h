@@ -50,6 +50,8 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 struct GdnDecodeParams {
   // q, k [N, H, K]; v [N, HV, V]: innermost dim contiguous, strides in elements, dtype `dtype`.
+  // qk_aligned: q and k start on 16 bytes and their strides are whole 16-byte units, so a lane
+  // may read its consecutive channels as vectors.
   const void* q;
   const void* k;
   const void* v;
@@ -57,6 +59,7 @@ struct GdnDecodeParams {
   int64_t k_stride_n, k_stride_h;
   int64_t v_stride_n, v_stride_h;
   DType dtype;
+  bool qk_aligned;
   // Decay: the log-decay g, or (gate_raw) the raw a with g = -exp(A_log) * softplus(a + dt_bias).
   // [N, HV] (GDN) or per channel [N, HV, K] (KDA, innermost contiguous); dt_bias [HV] or [HV, K].
   const void* g;
@@ -88,6 +91,9 @@ struct GdnDecodeParams {
   bool use_qk_l2norm;
   int device;    // the CUDA device of the tensors (current while launching)
   int sm_count;  // its multiprocessors, from the cached probe: no driver query per launch
+  // Launch with programmatic dependent launch (sm_90+ images): the kernel's blocks start while the
+  // previous kernel of the stream finishes, and wait in the kernel for its writes (griddepcontrol).
+  bool pdl;
 };
 
 // Launch on `stream` (a cudaStream_t). Returns 0 or a cudaError_t value.

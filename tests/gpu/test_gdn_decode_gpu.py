@@ -153,17 +153,63 @@ def test_io_dtypes_and_head_groups(name, variant, dtype, H, HV, l2norm):
     assert out.dtype == dtype
 
 
+# Batches at Qwen3-Next's head counts that reach every build of the warp variant for K = V = 128
+# (kernels/gdn_decode.cu launch_vk_warp, up to 132 SMs): fp32 4-row tiles, two 8-row tiles per
+# warp, 32-row tiles; bf16 8-row, 16-row, and 32-row tiles in a persistent grid whose warps loop
+# over several tiles each. Other head dims have one build.
+WARP_BUILD_BATCHES = [(128, 128, 2), (128, 128, 12), (128, 128, 37), (128, 128, 300), (256, 128, 37),
+                      (64, 256, 37), (256, 64, 37)]
+
+
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-@pytest.mark.parametrize("K,V", [(128, 128), (256, 128), (64, 256), (256, 64)])
+@pytest.mark.parametrize("K,V,N", WARP_BUILD_BATCHES)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
-def test_warp_build_over_an_engine_batch_and_several_steps(kind, K, V, state_dtype):
+def test_warp_build_over_an_engine_batch_and_several_steps(kind, K, V, N, state_dtype):
     # The vk warp build at Qwen3-Next's head counts (one warp per tile, many tiles), raw gates, the
     # null block and both invalid slots, three steps in a row on the same pool.
-    t = make(N=37, H=16, HV=32, K=K, V=V, P=45, kda=kind == "kda", layout="vk", state_dtype=state_dtype,
-             invalid=(3, 8))
-    t["idx"][5] = 0
+    t = make(N=N, H=16, HV=32, K=K, V=V, P=N + 8, kda=kind == "kda", layout="vk", state_dtype=state_dtype,
+             invalid=(0, 1) if N < 8 else (3, 8))
+    t["idx"][N // 2] = 0
     for _ in range(3):
         assert_step_matches(kind, _native.variants()["warp"], t, gates="raw", layout="vk", rule="nonpositive")
+
+
+def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
+    # CUDELTA_PDL=0 launches without programmatic dependent launch (read once per process): the
+    # same steps, captured in a CUDA graph and replayed, give the same bits either way.
+    script = tmp_path / "steps.py"
+    script.write_text(
+        "import sys, torch, cudelta\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "N, H, HV, K = 5, 16, 32, 128\n"
+        "q, k = (torch.randn(N, H, K, generator=g).cuda().bfloat16() for _ in range(2))\n"
+        "v = torch.randn(N, HV, K, generator=g).cuda().bfloat16()\n"
+        "a, b = (torch.randn(N, HV, generator=g).cuda().bfloat16() for _ in range(2))\n"
+        "A_log, dt = torch.randn(HV, generator=g).cuda(), torch.randn(HV, generator=g).cuda()\n"
+        "pool = (torch.randn(N + 2, HV, K, K, generator=g) * 0.1).cuda().to(getattr(torch, sys.argv[2]))\n"
+        "idx = torch.arange(1, N + 1, dtype=torch.int32).cuda()\n"
+        "out = torch.empty(N, HV, K, device='cuda', dtype=torch.bfloat16)\n"
+        "step = lambda: cudelta.gdn_decode(q, k, v, None, None, pool, idx, a=a, b=b, A_log=A_log, dt_bias=dt,\n"
+        "                                  use_qk_l2norm=True, layout='vk', invalid_slot='nonpositive', out=out)\n"
+        "step()\n"
+        "graph = torch.cuda.CUDAGraph()\n"
+        "with torch.cuda.graph(graph):\n"
+        "    for _ in range(4): step()\n"
+        "graph.replay()\n"
+        "torch.save({'pool': pool.cpu(), 'out': out.cpu()}, sys.argv[1])\n")
+    import os
+    import subprocess
+    import sys
+
+    for dtype in ("float32", "bfloat16"):
+        results = []
+        for pdl in ("0", "1"):
+            path = tmp_path / f"{dtype}-{pdl}.pt"
+            env = dict(os.environ, CUDELTA_PDL=pdl)
+            subprocess.run([sys.executable, "-P", str(script), str(path), dtype], env=env, check=True)
+            results.append(torch.load(path))
+        assert torch.equal(results[0]["pool"], results[1]["pool"])
+        assert torch.equal(results[0]["out"], results[1]["out"])
 
 
 def test_auto_takes_the_warp_build_for_vk():
@@ -173,16 +219,20 @@ def test_auto_takes_the_warp_build_for_vk():
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_strided_views_out_of_a_packed_projection(layout):
-    # vLLM slices q, k, v out of one mixed_qkv row and a, b out of one projection: views, not copies
+@pytest.mark.parametrize("shift", [0, 1], ids=["aligned", "odd-offset"])
+def test_strided_views_out_of_a_packed_projection(layout, shift):
+    # vLLM slices q, k, v out of one mixed_qkv row and a, b out of one projection: views, not copies.
+    # At an odd element offset the vk warp kernel cannot read q and k as 16-byte vectors and takes
+    # its one-load-per-element path.
     N, H, HV, K, V, P = 6, 2, 4, 128, 128, 10
     dev = "cuda"
-    mixed = torch.randn(N, 2 * H * K + HV * V + 64, device=dev, dtype=torch.bfloat16)
+    mixed = torch.randn(N, 2 * H * K + HV * V + 64, device=dev, dtype=torch.bfloat16)[:, shift:]
     ab = torch.randn(N, 2 * HV + 3, device=dev, dtype=torch.bfloat16)
     t = make(N=N, H=H, HV=HV, K=K, V=V, P=P, layout=layout)
     t["q"] = mixed[:, : H * K].view(N, H, K)
     t["k"] = mixed[:, H * K: 2 * H * K].view(N, H, K)
     t["v"] = mixed[:, 2 * H * K: 2 * H * K + HV * V].view(N, HV, V)
+    assert (t["q"].data_ptr() % 16 == 0) == (shift == 0)
     t["a"], t["b"] = ab[:, :HV], ab[:, HV: 2 * HV]
     assert not t["q"].is_contiguous() and not t["a"].is_contiguous()
     assert_step_matches("gdn", -1, t, gates="raw", layout=layout)
