@@ -141,7 +141,10 @@ bool aligned16(const Tensor& t) {
 bool pdl_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("CUDELTA_PDL");
-    return v == nullptr || std::string(v) != "0";
+    const std::string s = v == nullptr ? "" : v;
+    CUDELTA_CHECK(s.empty() || s == "0" || s == "1", "cudelta: CUDELTA_PDL=", s,
+                  " is not accepted; accepted: 0 (off), 1 (on, the default)");
+    return s != "0";
   }();
   return on;
 }
@@ -301,7 +304,7 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   p.use_qk_l2norm = use_qk_l2norm;
   p.device = device;
   p.sm_count = info.sm_count;
-  p.pdl = info.cuda_arch >= 900 && pdl_enabled();
+  p.pdl = pdl_enabled() && info.cuda_arch >= 900;
 
   torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;

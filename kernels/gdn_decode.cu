@@ -700,9 +700,9 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
 // butterfly: each level halves the rows a lane carries, so a 32-row tile costs 31 shuffles per
 // product instead of 32 x 5, and each lane ends with the sums of one row, whose u and output it
 // computes (the output store is one coalesced line); u comes back to the row's lanes by shuffle.
-// Rows per warp: the big build holds up to 32 rows, at most 128 state registers a lane; a batch
-// whose big-build warps leave some of the SM quarters (schedulers) idle takes the small build, 8
-// rows a warp, four times the warps, each with a quarter of the dependent work.
+// Rows per tile (BW) and tiles per warp (TPW) are build parameters: a warp holds at most 32 rows,
+// 128 state registers a lane. Small batches take short tiles (more warps, each with less dependent
+// work), large ones long tiles; launch_vk_warp below holds the rule and its measurements.
 template <int K, typename ST>
 constexpr int warp_rows_big() {
   return 32 * 512 / (K * int(sizeof(ST))) < 32 ? 32 * 512 / (K * int(sizeof(ST))) : 32;

@@ -210,6 +210,10 @@ def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
             results.append(torch.load(path))
         assert torch.equal(results[0]["pool"], results[1]["pool"])
         assert torch.equal(results[0]["out"], results[1]["out"])
+    bad = subprocess.run([sys.executable, "-P", str(script), str(tmp_path / "bad.pt"), "float32"],
+                         env=dict(os.environ, CUDELTA_PDL="yes"), capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "CUDELTA_PDL=yes is not accepted; accepted: 0 (off), 1 (on, the default)" in bad.stderr
 
 
 def test_auto_takes_the_warp_build_for_vk():
