@@ -259,7 +259,10 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // softplus with PyTorch's threshold: linear above 20.
-__device__ __forceinline__ float softplus20(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+// The fast intrinsics (as vLLM's Triton kernel): about 60 instructions fewer per tile than the
+// IEEE expf/log1pf/division, within 1e-6 relative of them over the gates' range; where 1 + e^x
+// rounds to 1 (x < -17) softplus gives 0 instead of e^x < 4e-8.
+__device__ __forceinline__ float softplus20(float x) { return x > 20.f ? x : __logf(1.f + __expf(x)); }
 
 // Log-decay of (n, hv) (channel < 0) or of one key channel: the precomputed g, or the raw gate.
 __device__ __forceinline__ float log_decay(const GdnDecodeParams& p, int64_t n, int64_t hv, int channel) {
@@ -267,12 +270,12 @@ __device__ __forceinline__ float log_decay(const GdnDecodeParams& p, int64_t n, 
   const float x = load_f(p.g, p.g_dtype, at);
   if (!p.gate_raw) return x;
   const float bias = load_f(p.dt_bias, p.dt_bias_dtype, channel >= 0 ? hv * p.K + channel : hv);
-  return -expf(load_f(p.A_log, p.A_log_dtype, hv)) * softplus20(x + bias);
+  return -__expf(load_f(p.A_log, p.A_log_dtype, hv)) * softplus20(x + bias);
 }
 
 __device__ __forceinline__ float load_beta(const GdnDecodeParams& p, int64_t n, int64_t hv) {
   const float x = load_f(p.beta, p.beta_dtype, n * p.beta_stride_n + hv * p.beta_stride_h);
-  return p.beta_raw ? 1.f / (1.f + expf(-x)) : x;
+  return p.beta_raw ? __frcp_rn(1.f + __expf(-x)) : x;
 }
 
 // q and k of head h to shared memory as float, with the three dot products the step needs
@@ -763,9 +766,9 @@ constexpr int warp_min_blocks() {
   return tile_regs >= 128 ? 8 : tile_regs >= 64 ? 12 : 16;
 }
 
-// One work item w of the warp kernel: (request, value head, group of TPW tiles), the group fastest.
+// One work item of the warp kernel: request n32, value head hv32, group g of TPW tiles.
 template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW>
-__device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t w) {
+__device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, uint32_t hv32, uint32_t n32) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
   using Sh = WarpShape<K, ST, BW>;
@@ -773,13 +776,9 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t w) 
   const int lane = threadIdx.x;
   const int l = lane % LPR;
   const int r = lane / LPR;
-  // 32-bit: the grid is below 2^31 blocks, and a 64-bit division costs ~100 instructions on the
-  // path to the slot's load.
-  const uint32_t tiles = static_cast<uint32_t>(p.V) / (BW * TPW), HV = static_cast<uint32_t>(p.HV);
-  const uint32_t nh32 = w / tiles;
-  const int64_t row0 = int64_t(w - nh32 * tiles) * (BW * TPW);
-  const uint32_t n32 = nh32 / HV, hv32 = nh32 - n32 * HV;
-  const int64_t n = n32, hv = hv32, h = hv32 / (HV / static_cast<uint32_t>(p.H));
+  const int64_t row0 = int64_t(g) * (BW * TPW);
+  // The qk head: off the path to the slot's load, which needs n alone.
+  const int64_t n = n32, hv = hv32, h = hv32 * static_cast<uint32_t>(p.H) / static_cast<uint32_t>(p.HV);
   const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
   const int64_t o_at = n * p.out_stride_n + hv * p.out_stride_h + row0;
   if (!slot_valid(p, slot)) {
@@ -919,15 +918,23 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t w) 
 
 // PERSIST: a grid of one wave whose warps loop over the work items, so a warp's stores drain while
 // it loads its next tile instead of holding its registers at exit, and no block is launched per
-// tile (H100, bf16 state, 32-row tiles: 4% faster from 2048 work items up).
+// tile (H100, bf16 state, 32-row tiles: 2-4% faster at B = 64-256).
 template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW = 1, bool PERSIST = false>
 __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_warp_kernel(const GdnDecodeParams p) {
   pdl_enter();
   if constexpr (PERSIST) {
-    const uint32_t items = static_cast<uint32_t>(p.N * p.HV) * (static_cast<uint32_t>(p.V) / (BW * TPW));
-    for (uint32_t w = blockIdx.x; w < items; w += gridDim.x) warp_tile<K, ST, BW, PER_CHANNEL, TPW>(p, w);
+    // 32-bit: the item count is below 2^31, and a 64-bit division costs ~100 instructions on the
+    // path to the slot's load.
+    const uint32_t groups = static_cast<uint32_t>(p.V) / (BW * TPW), HV = static_cast<uint32_t>(p.HV);
+    const uint32_t items = static_cast<uint32_t>(p.N) * HV * groups;
+    for (uint32_t w = blockIdx.x; w < items; w += gridDim.x) {
+      const uint32_t nh = w / groups, n = nh / HV;
+      warp_tile<K, ST, BW, PER_CHANNEL, TPW>(p, w - nh * groups, nh - n * HV, n);
+    }
   } else {
-    warp_tile<K, ST, BW, PER_CHANNEL, TPW>(p, blockIdx.x);
+    // A grid of (tile groups, value heads, requests): no division before the slot's load
+    // (launch_gdn_decode keeps N within the grid's z limit).
+    warp_tile<K, ST, BW, PER_CHANNEL, TPW>(p, blockIdx.x, blockIdx.y, blockIdx.z);
   }
 }
 
@@ -955,7 +962,9 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
     grid = grid < wave ? grid : wave;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.gridDim = PERSIST ? dim3(static_cast<unsigned>(grid))
+                        : dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV),
+                               static_cast<unsigned>(p.N));
   cfg.blockDim = dim3(32);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -968,26 +977,29 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
 // (benchmarks/warp_sweep.cu, H100, K = V = 128; results in benchmarks/results-h100-kernel.md).
 // Small batches are latency: short tiles, many warps, each with little dependent work. From a few
 // pairs per SM the bytes in flight per warp decide: fp32 two 8-row tiles per warp, then 32-row
-// tiles at B=1024; bf16 32-row tiles in a persistent grid. Programmatic dependent launch (where
-// the params allow it) gained 0.2-0.7 us per step on every non-persistent build chosen here and
-// cost up to 3% on the persistent one, whose grid already fills every warp slot.
+// tiles at B=1024; bf16 32-row tiles, in a persistent grid up to B=256. Programmatic dependent
+// launch (where the params allow it) gained 0.1-0.7 us per step on every non-persistent build
+// chosen here and cost up to 3% on the persistent one, whose grid already fills every warp slot.
 // The extra builds are for K = 128 only (Qwen3-Next, Kimi-Linear): each costs release compile time.
 template <int K, typename ST>
 int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (K == 128) {
     const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
     if constexpr (std::is_same_v<ST, float>) {
-      // H100, us (vLLM's kernel): B=1 3.5 (5.3), B=8 14.5 (14.4), B=128 186.7 (187.6), B=1024 1456 (1463)
+      // H100, us per step (vLLM's kernel): B=1 3.3 (5.3), B=8 14.3 (14.3), B=128 186.4 (187.1), B=1024 1456 (1463)
       if (pairs <= sms) return launch_vk_warp_rows<K, ST, 4>(p, stream);
       if (pairs <= 64 * sms) return launch_vk_warp_rows<K, ST, 8, 2>(p, stream);
       return launch_vk_warp_rows<K, ST, 32>(p, stream);
     } else {
-      // H100, us (vLLM's kernel): B=1 3.2 (3.4), B=8 8.9 (9.0), B=128 101.7 (97.8), B=1024 801 (748)
+      // H100, us per step (vLLM's kernel): B=1 3.0 (3.4), B=8 8.9 (8.9), B=128 101.8 (97.6), B=1024 783 (747)
       if (pairs <= sms / 2) return launch_vk_warp_rows<K, ST, 8>(p, stream);
       if (pairs <= 4 * sms) return launch_vk_warp_rows<K, ST, 16>(p, stream);
-      GdnDecodeParams persistent = p;
-      persistent.pdl = false;
-      return launch_vk_warp_rows<K, ST, 32, 1, true>(persistent, stream);
+      if (pairs <= 64 * sms) {
+        GdnDecodeParams persistent = p;
+        persistent.pdl = false;
+        return launch_vk_warp_rows<K, ST, 32, 1, true>(persistent, stream);
+      }
+      return launch_vk_warp_rows<K, ST, 32>(p, stream);
     }
   }
   return launch_vk_warp_rows<K, ST, warp_rows_big<K, ST>()>(p, stream);
@@ -1115,11 +1127,36 @@ int launch_layout(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
   return p.state_vk ? launch_k<true, ST>(p, v, stream) : launch_k<false, ST>(p, v, stream);
 }
 
+// A grid's y and z dimensions hold at most 65535 blocks; the warp kernel puts requests on z.
+constexpr int64_t kMaxRequestsPerLaunch = 65535;
+
+const void* advance(const void* p, int64_t elements, DType t) {
+  return static_cast<const char*>(p) + elements * (t == DType::kFloat32 ? 4 : 2);
+}
+
 }  // namespace
 
 int launch_gdn_decode(const GdnDecodeParams& p, Variant v, void* stream) {
   if (p.N == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
+  if (p.N > kMaxRequestsPerLaunch) {
+    // Requests are independent: launch them in chunks the grid can hold, each chunk's per-request
+    // pointers advanced past the previous ones.
+    for (int64_t n0 = 0; n0 < p.N; n0 += kMaxRequestsPerLaunch) {
+      GdnDecodeParams c = p;
+      c.N = p.N - n0 < kMaxRequestsPerLaunch ? p.N - n0 : kMaxRequestsPerLaunch;
+      c.q = advance(p.q, n0 * p.q_stride_n, p.dtype);
+      c.k = advance(p.k, n0 * p.k_stride_n, p.dtype);
+      c.v = advance(p.v, n0 * p.v_stride_n, p.dtype);
+      c.out = const_cast<void*>(advance(p.out, n0 * p.out_stride_n, p.dtype));
+      c.g = advance(p.g, n0 * p.g_stride_n, p.g_dtype);
+      c.beta = advance(p.beta, n0 * p.beta_stride_n, p.beta_dtype);
+      c.idx = static_cast<const char*>(p.idx) + n0 * (p.idx_is_int64 ? 8 : 4);
+      const int err = launch_gdn_decode(c, v, stream);
+      if (err != 0) return err;
+    }
+    return 0;
+  }
   switch (p.state_dtype) {
     case DType::kFloat32: return launch_layout<float>(p, v, s);
     case DType::kBFloat16: return launch_layout<__nv_bfloat16>(p, v, s);
