@@ -174,6 +174,15 @@ def test_warp_build_over_an_engine_batch_and_several_steps(kind, K, V, N, state_
         assert_step_matches(kind, _native.variants()["warp"], t, gates="raw", layout="vk", rule="nonpositive")
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_a_batch_past_the_grid_limit_of_65535_requests(layout):
+    # The warp kernel puts requests on the grid's z dimension (at most 65535): a larger batch is
+    # launched in chunks, each with its per-request pointers advanced.
+    N = 65535 + 7
+    t = make(N=N, H=1, HV=1, K=64, V=64, P=N + 3, layout=layout, invalid=(65535, 65536))
+    assert_step_matches("gdn", -1, t, gates="raw", layout=layout)
+
+
 def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
     # CUDELTA_PDL=0 launches without programmatic dependent launch (read once per process): the
     # same steps, captured in a CUDA graph and replayed, give the same bits either way.
