@@ -190,7 +190,7 @@ def main() -> int:
         print(f"kernel_bench: native library not loaded: {st.reason}", file=sys.stderr)
         return 2
     variants = {"auto": -1}
-    for name, vid in _native.VARIANTS.items():
+    for name, vid in _native.variants().items():
         if args.variants and name not in args.variants:
             continue
         try:

@@ -158,13 +158,6 @@ def variants() -> Mapping[str, int]:
     return status().variants
 
 
-def __getattr__(name: str):
-    # `_native.VARIANTS`, the constant this table replaced, for callers that still name it.
-    if name == "VARIANTS":
-        return variants()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _register_fake() -> None:
     # The ops write `state` and `out` in place and return nothing, so under torch.compile /
     # FakeTensor there is nothing to compute; the signature mirrors the schema in csrc/ops.cpp.
