@@ -1,12 +1,13 @@
 // The launch shapes of the vk `warp` kernel, swept on one GPU without torch: rows per tile, tiles
-// per warp, persistent grid or not, and programmatic dependent launch on/off, for fp32 and bf16 state, Qwen3-Next heads (H=16,
-// HV=32, K=V=128), raw gates, bf16 q/k/v sliced from one packed row, the pool updated in place at
-// slots that change every call (as benchmarks/kernel_bench.py: a CUDA graph of 50 calls, best of
-// 5 replays). This is how the launch rule in kernels/gdn_decode.cu (launch_vk_warp) was chosen;
-// kernel_bench.py, through torch, is the comparison with vLLM.
+// per warp, persistent grid or not, and programmatic dependent launch on/off, for fp32 and bf16
+// state, Qwen3-Next heads (H=16, HV=32, K=V=128), raw gates, bf16 q/k/v sliced from one packed
+// row, the pool updated in place at slots that change every call (as benchmarks/kernel_bench.py:
+// a CUDA graph of 50 calls, best of 5 replays). This is how the launch rule in
+// kernels/gdn_decode.cu (launch_vk_warp) was chosen; kernel_bench.py, through torch, is the
+// comparison with vLLM.
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-//        -o warp_sweep benchmarks/warp_sweep.cu && ./warp_sweep
+//        -o warp_sweep benchmarks/warp_sweep.cu && ./warp_sweep [B ...]
 //
 // Each configuration is first checked against the product's launch (launch_gdn_decode, warp
 // variant, no PDL) on the same inputs: max |difference| of the updated states and of the outputs.
