@@ -22,8 +22,6 @@ Schema 2, written by this source:
 Schema 1 is the same record without `schema`, its label under `variant` (a name that collided
 with the kernel variants). It is still read, and normalised to schema 2: the release tooling may
 meet wheels built before the field existed, and the tests' hand-made wheels are such records.
-The writer also keeps `variant` as a copy of `cuda_label` for readers outside this contract
-that still look it up by that name (see ARCHITECTURE.md); nothing here reads it from schema 2.
 """
 
 from __future__ import annotations

@@ -64,9 +64,6 @@ def build_record(*, version: str, toolkit: str, archs: Sequence[cuda.ArchTarget]
         "schema": SCHEMA,
         "version": version,
         "cuda_label": label,
-        # Schema 1's name for cuda_label, kept for readers outside the contract that still look
-        # it up (scripts/check_wheel.py, scripts/smoke_install.py, the e2e tests); ARCHITECTURE.md.
-        reader.LEGACY_LABEL_KEY: label,
         "cuda_toolkit": toolkit,
         "archs": [a.cubin for a in archs],
         "ptx": [a.ptx_name for a in archs if a.ptx_name],

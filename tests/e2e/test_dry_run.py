@@ -105,7 +105,7 @@ def test_the_sdist_installs_the_verified_wheel(base_cu, fresh_venv, release, whe
     record = installed(env)
     assert record["version"] == VERSION and json.loads(record["source"])["asset"] == wheel.name
     assert record["loaded"], record["reason"]
-    assert record["build"]["build"] == "release" and record["build"]["variant"] == "cu130"
+    assert record["build"]["build"] == "release" and record["build"]["cuda_label"] == "cu130"
 
 
 def test_pip_installs_the_wheel_from_the_index(base_cu, fresh_venv, wheel, served, tmp_path):

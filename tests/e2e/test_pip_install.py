@@ -83,7 +83,7 @@ def test_cuda_torch_gets_the_verified_prebuilt_wheel(base_cu, fresh_venv, sdist,
 
     record = installed_record(env)
     assert record["version"] == VERSION
-    assert record["build"]["build"] == "release" and record["build"]["variant"] == "cu130"
+    assert record["build"]["build"] == "release" and record["build"]["cuda_label"] == "cu130"
     source = json.loads(record["source"])
     assert source["asset"] == asset and source["manifest"] == "manifest embedded in the sdist"
     assert record["library"].endswith("_C.abi3.so")
@@ -215,7 +215,7 @@ def test_offline_with_a_file_wheelhouse_installs_without_any_network(base_cu, fr
     e.pop("PIP_FIND_LINKS", None)
     out = pip_output(env.pip("install", "-v", "--no-index", "--find-links", build_wheelhouse, sdist, env=e))
     assert f"installing prebuilt {asset_name(release_dir)} (sha256 verified against the manifest embedded in the sdist)" in out
-    assert installed_record(env)["build"]["variant"] == "cu130"
+    assert installed_record(env)["build"]["cuda_label"] == "cu130"
 
 
 def test_the_asset_installs_directly_by_url(base_cu, fresh_venv, server, release_dir):

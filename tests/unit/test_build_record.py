@@ -49,6 +49,7 @@ def test_a_real_record_passes_every_reader(tmp_path):
         version=VERSION, toolkit="13.0", archs=plan.release_targets(), torch_version="2.14.1+cu130",
         torch_floor=native.TORCH_FLOOR, kind="release", compressed=True, revision=build_record.git_revision())
     assert record["schema"] == build_record.SCHEMA and record["cuda_label"] == "cu130"
+    assert set(record) == set(build_record.reader.FIELDS)  # schema 2 only: no legacy `variant` copy
 
     # What the build writes: the file beside the library, and the copy compiled into it.
     package = tmp_path / "build_lib" / "cudelta"
