@@ -938,6 +938,18 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decod
   }
 }
 
+// Resident blocks per SM of `Kernel` on `device` with `threads` threads and `smem` bytes of dynamic
+// shared memory: asked of the driver once per kernel and device, then cached.
+template <auto Kernel>
+int resident_blocks_of(int device, int threads, size_t smem) {
+  static int cached[64] = {};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int blocks = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, threads, smem);
+  if (device >= 0 && device < 64 && blocks > 0) cached[device] = blocks;
+  return blocks;
+}
+
 // Appends the programmatic-dependent-launch attribute where the params ask for it (every kernel
 // here starts with pdl_enter); returns the attribute count.
 inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int n) {
@@ -955,10 +967,9 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
                                 : decode_vk_warp_kernel<K, ST, BW, false, TPW, PERSIST>;
   int64_t grid = p.N * p.HV * (p.V / (BW * TPW));
   if constexpr (PERSIST) {
-    static int per_sm[64] = {};  // resident warps per SM, asked once per device
-    const int d = p.device >= 0 && p.device < 64 ? p.device : 0;
-    if (per_sm[d] == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[d], kernel, 32, 0);
-    const int64_t wave = int64_t(per_sm[d] > 0 ? per_sm[d] : 1) * (p.sm_count > 0 ? p.sm_count : 1);
+    // One wave of resident warps (the GDN build stands for both, as for the block kernels).
+    const int per_sm = resident_blocks_of<decode_vk_warp_kernel<K, ST, BW, false, TPW, true>>(p.device, 32, 0);
+    const int64_t wave = int64_t(per_sm > 0 ? per_sm : 1) * (p.sm_count > 0 ? p.sm_count : 1);
     grid = grid < wave ? grid : wave;
   }
   cudaLaunchConfig_t cfg = {};
@@ -1043,17 +1054,11 @@ int launch_build(const GdnDecodeParams& p, cudaStream_t stream, bool cluster, si
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-// Resident blocks per SM of one build on the current device (asked once per build and device).
+// Resident blocks per SM of one block-kernel build on the current device. The GDN build stands
+// for both: the KDA build differs by a few registers or K floats.
 template <bool VK, int K, typename ST, Load LD, int BUILD>
 int resident_blocks(int device, size_t smem) {
-  static int cached[64] = {};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int blocks = 0;
-  // The GDN build stands for both: the KDA build differs by a few registers or K floats.
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel_of<VK, K, ST, LD, BUILD, false>(),
-                                                threads_of<VK, K, ST, BUILD>(), smem);
-  if (device >= 0 && device < 64 && blocks > 0) cached[device] = blocks;
-  return blocks;
+  return resident_blocks_of<kernel_of<VK, K, ST, LD, BUILD, false>()>(device, threads_of<VK, K, ST, BUILD>(), smem);
 }
 
 template <bool VK, int K, typename ST, Load LD>
