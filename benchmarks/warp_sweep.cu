@@ -1,16 +1,18 @@
-// The launch shapes of the vk `warp` kernel, swept on one GPU without torch: rows per tile, tiles
-// per warp, persistent grid or not, and programmatic dependent launch on/off, for fp32 and bf16
-// state, Qwen3-Next heads (H=16, HV=32, K=V=128), raw gates, bf16 q/k/v sliced from one packed
-// row, the pool updated in place at slots that change every call (as benchmarks/kernel_bench.py:
-// a CUDA graph of 50 calls, best of 5 replays). This is how the launch rule in
-// kernels/gdn_decode.cu (launch_vk_warp) was chosen; kernel_bench.py, through torch, is the
-// comparison with vLLM.
+// The launch shapes of the `warp` kernels, swept on one GPU without torch. Layout vk: rows per
+// tile, tiles per warp, persistent grid or not; layout kv: 16-byte column chunks per tile; each
+// with programmatic dependent launch off and on, for fp32 and bf16 state, Qwen3-Next heads (H=16,
+// HV=32, K=V=128), raw gates, bf16 q/k/v sliced from one packed row, the pool updated in place at
+// slots that change every call (as benchmarks/kernel_bench.py: a CUDA graph of 50 calls, best of 5
+// replays). This is how the launch rules in kernels/gdn_decode.cu (launch_vk_warp,
+// launch_kv_warp) were chosen; kernel_bench.py, through torch, is the comparison with vLLM and fla.
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-//        -o warp_sweep benchmarks/warp_sweep.cu && ./warp_sweep [B ...]
+//        -o warp_sweep benchmarks/warp_sweep.cu && ./warp_sweep [vk|kv] [B ...]
 //
-// Each configuration is first checked against the product's launch (launch_gdn_decode, warp
-// variant, no PDL) on the same inputs: max |difference| of the updated states and of the outputs.
+// Each configuration is first checked on the same inputs against a reference launch (vk: the
+// product's warp launch; kv: the generic block kernel, another kernel), three steps without PDL:
+// max |difference| of the updated states and of the outputs. kv also times that generic kernel
+// (what auto ran on kv before the kv warp kernel).
 
 #include "../kernels/gdn_decode.cu"
 
@@ -56,7 +58,19 @@ Config rows(const char* name) {
   return {name, f32, &cudelta::launch_vk_warp_rows<K, __nv_bfloat16, BW, TPW, PERSIST>};
 }
 
+// kv: CPR 16-byte column chunks per tile (fp32 4 columns each, bf16 8).
+// wN: N warps per block (adjacent column tiles of one head, started together).
+// A block wider than V is timed for the other state dtype only.
+template <int CPR, int WPB = 1>
+Config cols(const char* name) {
+  Launch f32 = nullptr, bf16 = nullptr;
+  if constexpr (CPR * 4 * WPB <= V) f32 = &cudelta::launch_kv_warp_cols<K, float, CPR, WPB>;
+  if constexpr (CPR * 8 * WPB <= V) bf16 = &cudelta::launch_kv_warp_cols<K, __nv_bfloat16, CPR, WPB>;
+  return {name, f32, bf16};
+}
+
 int product(const GdnDecodeParams& p, cudaStream_t s) { return cudelta::launch_gdn_decode(p, cudelta::Variant::kWarp, s); }
+int generic(const GdnDecodeParams& p, cudaStream_t s) { return cudelta::launch_gdn_decode(p, cudelta::Variant::kGeneric, s); }
 
 float graph_us(cudaStream_t s, const std::function<void(int)>& call) {
   for (int i = 0; i < 3; ++i) call(i);
@@ -142,15 +156,25 @@ float max_abs_diff(const void* a, const void* b, size_t n, bool bf16) {
 
 int main(int argc, char** argv) {
   std::vector<int> batches = {1, 2, 4, 8, 16, 32, 64, 128, 256, 1024};
-  if (argc > 1) {
-    batches.clear();
-    for (int i = 1; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
+  int first = 1;
+  bool vk = true;
+  if (argc > 1 && (std::strcmp(argv[1], "vk") == 0 || std::strcmp(argv[1], "kv") == 0)) {
+    vk = argv[1][0] == 'v';
+    first = 2;
   }
-  // bwN: N-row tiles; xT: T tiles per warp; p: persistent grid (one wave looping over the tiles).
-  const std::vector<Config> configs = {rows<4>("bw4"),     rows<8>("bw8"),          rows<16>("bw16"),
-                                       rows<32>("bw32"),   rows<8, 2>("bw8x2"),     rows<16, 2>("bw16x2"),
-                                       rows<8, 1, true>("bw8p"), rows<16, 1, true>("bw16p"),
-                                       rows<32, 1, true>("bw32p")};
+  if (argc > first) {
+    batches.clear();
+    for (int i = first; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
+  }
+  // vk: bwN N-row tiles; xT: T tiles per warp; p: persistent grid (one wave looping over the tiles).
+  // kv: cN, N 16-byte column chunks per tile; wN, N warps per block.
+  const std::vector<Config> configs =
+      vk ? std::vector<Config>{rows<4>("bw4"), rows<8>("bw8"), rows<16>("bw16"), rows<32>("bw32"),
+                               rows<8, 2>("bw8x2"), rows<16, 2>("bw16x2"), rows<8, 1, true>("bw8p"),
+                               rows<16, 1, true>("bw16p"), rows<32, 1, true>("bw32p")}
+         : std::vector<Config>{cols<2>("c2"), cols<4>("c4"), cols<8>("c8"), cols<4, 2>("c4w2"), cols<4, 4>("c4w4"),
+                               cols<8, 2>("c8w2"), cols<8, 4>("c8w4")};
+  const Launch reference = vk ? product : generic;
   int dev = 0, sms = 0;
   CK(cudaSetDevice(dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -161,13 +185,14 @@ int main(int argc, char** argv) {
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.f, 1.f);
 
-  std::printf("vk warp kernel launch sweep, %s, %d SMs; Qwen3-Next heads, K=V=128, raw gates, bf16 q/k/v; "
+  std::printf("%s warp kernel launch sweep, %s, %d SMs; Qwen3-Next heads, K=V=128, raw gates, bf16 q/k/v; "
               "graph of %d calls, best of %d (us per call); pdl = programmatic dependent launch\n\n",
-              prop.name, sms, CALLS, REPLAYS);
+              vk ? "vk" : "kv", prop.name, sms, CALLS, REPLAYS);
   std::printf("| state | B | copy |");
   for (const auto& c : configs) std::printf(" %s | %s+pdl |", c.name.c_str(), c.name.c_str());
+  if (!vk) std::printf(" generic | generic+pdl |");
   std::printf(" product | product+pdl | max diff |\n|---|---|---|");
-  for (size_t i = 0; i < configs.size(); ++i) std::printf("---|---|");
+  for (size_t i = 0; i < configs.size() + (vk ? 0 : 1); ++i) std::printf("---|---|");
   std::printf("---|---|---|\n");
 
   for (int bf : {0, 1}) {
@@ -234,7 +259,7 @@ int main(int argc, char** argv) {
       p.beta_raw = true;
       p.state = pool;
       p.state_dtype = bf ? DType::kBFloat16 : DType::kFloat32;
-      p.state_vk = true;
+      p.state_vk = vk;
       p.idx = d_idx;
       p.min_slot = 1;
       p.out = out;
@@ -262,7 +287,7 @@ int main(int argc, char** argv) {
       // Reference: the product launch, three steps on a copy of the pool.
       CK(cudaMemcpy(pool2, pool0, pool_bytes, cudaMemcpyDeviceToDevice));
       CK(cudaDeviceSynchronize());
-      for (int i = 0; i < 3; ++i) CK(cudaError_t(product(at_set(0, false, pool2, out2), s)));
+      for (int i = 0; i < 3; ++i) CK(cudaError_t(reference(at_set(0, false, pool2, out2), s)));
       CK(cudaDeviceSynchronize());
       std::vector<float> times;
       float worst = 0.f;
@@ -285,8 +310,11 @@ int main(int argc, char** argv) {
           times.push_back(graph_us(s, [&](int i) { CK(cudaError_t(f(at_set(i, pdl, pool, out), s))); }));
         }
       }
-      for (bool pdl : {false, true}) {
-        times.push_back(graph_us(s, [&](int i) { CK(cudaError_t(product(at_set(i, pdl, pool, out), s))); }));
+      for (Launch f : {generic, product}) {
+        if (vk && f == generic) continue;
+        for (bool pdl : {false, true}) {
+          times.push_back(graph_us(s, [&](int i) { CK(cudaError_t(f(at_set(i, pdl, pool, out), s))); }));
+        }
       }
       const size_t bytes = size_t(B) * state_elems * es;
       const float copy = graph_us(s, [&](int i) {

@@ -86,8 +86,8 @@ std::string variants_for(int cuda_arch) {
 }
 
 std::string fix_command(int cc) {
-  return "FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST=" + std::to_string(cc / 10) + "." + std::to_string(cc % 10) +
-         " pip install --no-cache-dir --force-reinstall cudelta";
+  return "FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST=" + std::to_string(cc / 10) + "." + std::to_string(cc % 10) + " " +
+         kReinstall;
 }
 
 Variant select(int device, int64_t requested, int64_t heads, ImageInfo* info, bool state_vk = false) {

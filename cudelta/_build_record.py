@@ -32,6 +32,9 @@ from typing import Any, Dict, Iterable, Mapping
 
 SCHEMA = 2
 FILENAME = "_build_info.json"
+# The command that replaces an unusable install: the loader's messages (cudelta/_native.py) and,
+# through build_info.h (installer/build_record.py), the library's own (csrc/ops.cpp).
+REINSTALL = "pip install --no-cache-dir --force-reinstall cudelta"
 LEGACY_LABEL_KEY = "variant"
 
 # Every key of schema 2 and the JSON type it must have.

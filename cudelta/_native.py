@@ -21,7 +21,7 @@ from . import _build_record
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 VARIANT_ENV = "CUDELTA_KERNEL_VARIANT"
-REINSTALL = "pip install --no-cache-dir --force-reinstall cudelta"
+REINSTALL = _build_record.REINSTALL
 
 
 class NativeLibraryError(RuntimeError):

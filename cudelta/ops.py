@@ -49,14 +49,15 @@ def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use
         check_args(q, k, v, state, idx, layout, out)
         check_gates(kind, q.shape[0], v.shape[1], q.shape[2], g, beta, a, b, A_log, dt_bias)
 
-    if layout not in LAYOUTS or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if layout not in LAYOUTS or compiling:
         check()  # traced once under torch.compile: free at run time
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     op = torch.ops.cudelta.gdn_decode if kind == "gdn" else torch.ops.cudelta.kda_decode
     args = (q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, LAYOUTS.index(layout),
             lowest, st.variant)
-    if torch.compiler.is_compiling():
+    if compiling:
         op(*args)
         return out
     # Eager: the op checks every argument before it launches anything (nothing is written when it

@@ -21,8 +21,8 @@
 //   sm80     cp.async into shared memory in two commit groups, so the first half is reduced
 //            while the second is in flight
 //   sm90tma  clusters, and cp.async.bulk (the TMA engine) row copies completing on two mbarriers
-//   warp     layout vk only (kv runs generic): its own kernel, one warp per tile, no block sync
-//            (decode_vk_warp_kernel below)
+//   warp     its own kernels, one warp per tile held in registers, no block sync
+//            (decode_vk_warp_kernel, decode_kv_warp_kernel below; kv with K = 256 runs generic)
 // Which one auto picks is decided by measurement (auto_variant in probe.cu).
 //
 // Both reductions of the step (pred = h'^T k and h'^T q) are done in one pass over the decayed
@@ -325,6 +325,12 @@ __device__ __forceinline__ QkScales load_qk(const GdnDecodeParams& p, int64_t n,
   return sc;
 }
 
+// The q/k head value head hv reads: HV is a multiple of H (grouped value heads), so this is
+// hv / (HV / H). 32-bit: it is on the path to the q/k loads, and head counts are small.
+__device__ __forceinline__ uint32_t qk_head(const GdnDecodeParams& p, uint32_t hv) {
+  return hv * static_cast<uint32_t>(p.H) / static_cast<uint32_t>(p.HV);
+}
+
 // Where a block works: request n, value head hv, qk head h, and its tile of V.
 struct Site {
   int64_t n, hv, h, tile;
@@ -348,7 +354,7 @@ __device__ __forceinline__ Site site_of(const GdnDecodeParams& p) {
 #endif
   s.n = nh / p.HV;
   s.hv = nh - s.n * p.HV;
-  s.h = s.hv / (p.HV / p.H);
+  s.h = qk_head(p, static_cast<uint32_t>(s.hv));
   s.slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[s.n] : static_cast<const int32_t*>(p.idx)[s.n];
   return s;
 }
@@ -693,7 +699,7 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
 }
 
 // ---------------------------------------------------------------------------------------------
-// Variant "warp", layout vk only: one warp, alone in its block, owns a tile of BW rows x the whole
+// Variant "warp", layout vk: one warp, alone in its block, owns a tile of BW rows x the whole
 // K and keeps it in registers (at most 512 bytes a lane), so nothing crosses warps: the q/k norms
 // and the gates are computed by every warp with shuffles, there is no __syncthreads and no shared
 // memory, and an SM holds as many independent tiles as its registers allow (the whole decode step
@@ -723,11 +729,12 @@ struct WarpShape {
   static_assert(NP >= 2 && F >= 1 && LPR % NP == 0, "warp tile shape");
 };
 
-// The transposing butterfly from lane offset O down: N sums per lane, halved at each level until
-// one is left, then plain xor-sums for the remaining offsets.
-template <int N, int O>
+// The transposing butterfly from lane offset O down to LO: N sums per lane, halved at each level
+// until one is left, then plain xor-sums for the remaining offsets. At each halving level the lanes
+// with the offset's bit set keep the upper half.
+template <int N, int O, int LO = 1>
 __device__ __forceinline__ void butterfly(float* a, float* b, int lane) {
-  if constexpr (O >= 1) {
+  if constexpr (O >= LO) {
     if constexpr (N > 1) {
       constexpr int H = N / 2;
       const bool hi = (lane & O) != 0;
@@ -738,11 +745,11 @@ __device__ __forceinline__ void butterfly(float* a, float* b, int lane) {
         a[i] = ka + __shfl_xor_sync(0xffffffffu, sa, O);
         b[i] = kb + __shfl_xor_sync(0xffffffffu, sb, O);
       }
-      butterfly<H, O / 2>(a, b, lane);
+      butterfly<H, O / 2, LO>(a, b, lane);
     } else {
       a[0] += __shfl_xor_sync(0xffffffffu, a[0], O);
       b[0] += __shfl_xor_sync(0xffffffffu, b[0], O);
-      butterfly<1, O / 2>(a, b, lane);
+      butterfly<1, O / 2, LO>(a, b, lane);
     }
   }
 }
@@ -778,7 +785,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
   const int r = lane / LPR;
   const int64_t row0 = int64_t(g) * (BW * TPW);
   // The qk head: off the path to the slot's load, which needs n alone.
-  const int64_t n = n32, hv = hv32, h = hv32 * static_cast<uint32_t>(p.H) / static_cast<uint32_t>(p.HV);
+  const int64_t n = n32, hv = hv32, h = qk_head(p, hv32);
   const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
   const int64_t o_at = n * p.out_stride_n + hv * p.out_stride_h + row0;
   if (!slot_valid(p, slot)) {
@@ -1017,6 +1024,188 @@ int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Variant "warp", layout kv: one warp owns all K rows of BW = CPR * E value columns and keeps them
+// in registers. The step's reductions run over k, down the columns, so a lane holds NR consecutive
+// rows of one 16-byte column chunk: it sums its rows alone, and only the RPI lanes of a column
+// chunk exchange their sums, never another warp: by the transposing butterfly, after which a lane
+// holds NF of the chunk's E column sums (whose u and outputs it computes) and the u of the others
+// come back by shuffle. A load instruction covers RPI row segments of CPR * 16 bytes (whole 32-byte
+// sectors). The lane's q, k (and KDA's decay) are its NR consecutive channels, read as vectors.
+// K = 256 would hold 32 rows of q and k beside the tile; it runs the block kernel (launch_kv_warp).
+template <int K, typename ST, int CPR>
+struct KvWarpShape {
+  static constexpr int E = Chunk<ST>::E;  // columns per 16-byte chunk
+  static constexpr int BW = CPR * E;      // columns per tile
+  static constexpr int RPI = 32 / CPR;    // rows per load instruction
+  static constexpr int NR = K / RPI;      // consecutive rows a lane holds
+  static constexpr int RUN = NR >= 8 ? 8 : 4;
+  static constexpr int NF = E > RPI ? E / RPI : 1;  // column sums a lane ends the butterfly with
+  static_assert(CPR >= 1 && CPR <= 32 && 32 % CPR == 0 && NR >= 4 && NR % RUN == 0, "kv warp tile shape");
+};
+
+// The first of the NF columns (of the lane's chunk) whose sums the butterfly leaves to `lane`, and
+// the lane of column chunk c that holds column m: the halving levels run at lane offsets 16, 8, ...
+// and give the upper half, E/2, E/4, ..., to the lanes with that bit set.
+template <int E, int CPR>
+__device__ __forceinline__ int kv_first_column(int lane) {
+  int m = 0;
+#pragma unroll
+  for (int o = 16, h = E / 2; o >= CPR && h >= 1; o >>= 1, h >>= 1) m += (lane & o) ? h : 0;
+  return m;
+}
+template <int E, int CPR>
+__device__ __forceinline__ int kv_holder(int c, int m) {
+  int lane = c;
+#pragma unroll
+  for (int o = 16, h = E / 2; o >= CPR && h >= 1; o >>= 1, h >>= 1) lane += (m & h) ? o : 0;
+  return lane;
+}
+
+template <int K, typename ST, int CPR, bool PER_CHANNEL>
+constexpr int kv_warp_min_blocks() {
+  using Sh = KvWarpShape<K, ST, CPR>;
+  constexpr int regs = Sh::NR * 4 + Sh::NR * (PER_CHANNEL ? 3 : 2);
+  return regs >= 140 ? 8 : regs >= 80 ? 12 : 16;
+}
+
+// WPB warps per block: adjacent column tiles of one head, each warp on its own (no block sync),
+// started together so a row's segments are read and written at about the same time.
+template <int K, typename ST, int CPR, bool PER_CHANNEL, int WPB = 1>
+__global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_CHANNEL>() / WPB > 0
+                                                  ? kv_warp_min_blocks<K, ST, CPR, PER_CHANNEL>() / WPB
+                                                  : 1))
+    decode_kv_warp_kernel(const GdnDecodeParams p) {
+  pdl_enter();
+  using C = Chunk<ST>;
+  using Raw = typename C::Raw;
+  using Sh = KvWarpShape<K, ST, CPR>;
+  constexpr int E = Sh::E, BW = Sh::BW, NR = Sh::NR, RUN = Sh::RUN, NF = Sh::NF;
+  const int lane = threadIdx.x % 32;
+  const int c = lane % CPR;
+  const int r = lane / CPR;
+  const int64_t n = blockIdx.z, hv = blockIdx.y;
+  const int64_t col0 = (int64_t(blockIdx.x) * WPB + threadIdx.x / 32) * BW + c * E;
+  const int64_t h = qk_head(p, blockIdx.y);
+  const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
+  const int64_t o_at = n * p.out_stride_n + hv * p.out_stride_h + col0;
+  if (!slot_valid(p, slot)) {
+    if (r == 0) {
+#pragma unroll
+      for (int m = 0; m < E; ++m) store_f(p.out, p.dtype, o_at + m, 0.f);
+    }
+    return;
+  }
+  // Rows r * NR + j, columns col0 .. col0 + E - 1, in 16-byte chunks.
+  Raw* S = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + ((slot * p.HV + hv) * K + r * NR) * p.V + col0);
+  const int64_t row_chunks = p.V / E;
+
+  Raw s[NR];
+#pragma unroll
+  for (int j = 0; j < NR; ++j) s[j] = S[j * row_chunks];
+  // v of the columns this lane ends the reduction with (kv_first_column).
+  const int m0 = kv_first_column<E, CPR>(lane);
+  float vv[NF];
+#pragma unroll
+  for (int f = 0; f < NF; ++f) vv[f] = load_f(p.v, p.dtype, n * p.v_stride_n + hv * p.v_stride_h + col0 + m0 + f);
+
+  const int64_t qo = n * p.q_stride_n + h * p.q_stride_h + r * NR, ko = n * p.k_stride_n + h * p.k_stride_h + r * NR;
+  float qv[NR], kv[NR], decay[PER_CHANNEL ? NR : 1];
+#pragma unroll
+  for (int i = 0; i < NR / RUN; ++i) {
+    load_run<RUN>(p.q, p.dtype, qo + RUN * i, p.qk_aligned, qv + RUN * i);
+    load_run<RUN>(p.k, p.dtype, ko + RUN * i, p.qk_aligned, kv + RUN * i);
+  }
+  if constexpr (PER_CHANNEL) {
+#pragma unroll
+    for (int j = 0; j < NR; ++j) decay[j] = __expf(log_decay(p, n, hv, r * NR + j));
+  } else {
+    decay[0] = __expf(log_decay(p, n, hv, -1));
+  }
+  const float beta = load_beta(p, n, hv);
+  float sqq = 0.f, skk = 0.f, sqk = 0.f;
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    sqq += qv[j] * qv[j];
+    skk += kv[j] * kv[j];
+    sqk += qv[j] * kv[j];
+  }
+  // Each row group's lanes hold the same sums: add across the groups only.
+#pragma unroll
+  for (int o = CPR; o < 32; o <<= 1) {
+    sqq += __shfl_xor_sync(0xffffffffu, sqq, o);
+    skk += __shfl_xor_sync(0xffffffffu, skk, o);
+    sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
+  }
+  const float sck = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
+  const float scq = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
+  const float scqk = sqk * sck * scq;
+  if constexpr (PER_CHANNEL) {
+#pragma unroll
+    for (int j = 0; j < NR; ++j) qv[j] *= decay[j];
+  }
+  const float sum_decay = PER_CHANNEL ? 1.f : decay[0];
+
+  // Column sums of the decayed state against k and q over this lane's rows, then across the
+  // column's RPI lanes.
+  float pk[E], pq[E];
+#pragma unroll
+  for (int m = 0; m < E; ++m) pk[m] = pq[m] = 0.f;
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    float x[E];
+    C::widen(s[j], x);
+    const float kj = PER_CHANNEL ? kv[j] * decay[j] : kv[j];
+#pragma unroll
+    for (int m = 0; m < E; ++m) {
+      pk[m] += x[m] * kj;
+      pq[m] += x[m] * qv[j];
+    }
+  }
+  butterfly<E, 16, CPR>(pk, pq, lane);
+  // This lane's columns m0 .. m0 + NF - 1: their u, and their outputs from the lanes whose row
+  // group bits below the butterfly's are zero (one store per column).
+  float u[NF];
+#pragma unroll
+  for (int f = 0; f < NF; ++f) {
+    u[f] = beta * (vv[f] - pk[f] * (sum_decay * sck));
+    if (lane == kv_holder<E, CPR>(c, m0)) store_f(p.out, p.dtype, o_at + m0 + f, pq[f] * (sum_decay * scq) + u[f] * scqk);
+  }
+  float us[E];
+#pragma unroll
+  for (int m = 0; m < E; ++m) us[m] = sck * __shfl_sync(0xffffffffu, u[m % NF], kv_holder<E, CPR>(c, m - m % NF));
+#pragma unroll
+  for (int j = 0; j < NR; ++j) opaque(s[j]);
+  // The row stride is a run-time value: hidden here, so the store addresses are stepped from S
+  // instead of the loads' NR addresses being kept live (64 registers at NR = 32).
+  int64_t step = row_chunks;
+  asm volatile("" : "+l"(step));
+  Raw* w = S;
+#pragma unroll
+  for (int j = 0; j < NR; ++j, w += step) {
+    float x[E];
+    C::widen(s[j], x);
+    const float dj = PER_CHANNEL ? decay[j] : decay[0];
+#pragma unroll
+    for (int m = 0; m < E; ++m) x[m] = x[m] * dj + kv[j] * us[m];
+    *w = C::narrow(x);
+  }
+}
+
+template <int K, typename ST, int CPR, int WPB = 1>
+int launch_kv_warp_cols(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_kv_warp_kernel<K, ST, CPR, true, WPB> : decode_kv_warp_kernel<K, ST, CPR, false, WPB>;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.V / (KvWarpShape<K, ST, CPR>::BW * WPB)), static_cast<unsigned>(p.HV),
+                     static_cast<unsigned>(p.N));
+  cfg.blockDim = dim3(32 * WPB);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  cfg.numAttrs = add_pdl(p, attr, 0);
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+// ---------------------------------------------------------------------------------------------
 template <bool VK, int K, typename ST, int BUILD>
 constexpr int threads_of() {
   if constexpr (VK) return VkShape<K, ST, BUILD>::T;
@@ -1116,18 +1305,35 @@ int launch_k(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
+// Which kv warp build a launch takes (K = 64, 128; K = 256 runs the generic block kernel), from the
+// sweep of every shape (benchmarks/warp_sweep.cu kv, H100, K = V = 128; results in
+// benchmarks/results-h100-kernel.md). Four column chunks per tile (fp32 16 columns, bf16 32) at
+// every batch, but fp32 past one (request, head) pair per SM: 32 columns (128-byte row segments,
+// 254 registers) in blocks of two warps. Programmatic dependent launch cost the 4-chunk build
+// 0.3-1.7 us once its grid passed 4 warps per SM (the next step's early warps take the slots this
+// one still needs) and gained 0.1-0.4 us below; the 8-chunk build gains or loses < 1%.
+template <int K, typename ST>
+int launch_kv_warp(const GdnDecodeParams& p, cudaStream_t stream) {
+  const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
+  if constexpr (K == 128 && std::is_same_v<ST, float>) {
+    // H100, us per step (generic block kernel): B=1 4.0 (4.6), B=8 15.0 (20.1), B=256 382.7 (477.8), B=1024 1504 (1894)
+    if (pairs > sms) return launch_kv_warp_cols<K, ST, 8, 2>(p, stream);
+  }
+  // H100, bf16 state: B=1 3.8 (4.1), B=8 9.0 (10.4), B=256 218.2 (322.9), B=1024 853.9 (1281.2)
+  GdnDecodeParams q = p;
+  q.pdl = p.pdl && pairs * (p.V / KvWarpShape<K, ST, 4>::BW) <= 4 * sms;
+  return launch_kv_warp_cols<K, ST, 4>(q, stream);
+}
+
 template <typename ST>
 int launch_layout(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
   if (v == Variant::kWarp) {
-    if (p.state_vk) {
-      switch (p.K) {
-        case 64: return launch_vk_warp<64, ST>(p, stream);
-        case 128: return launch_vk_warp<128, ST>(p, stream);
-        case 256: return launch_vk_warp<256, ST>(p, stream);
-      }
-      return static_cast<int>(cudaErrorInvalidValue);
+    switch (p.K) {
+      case 64: return p.state_vk ? launch_vk_warp<64, ST>(p, stream) : launch_kv_warp<64, ST>(p, stream);
+      case 128: return p.state_vk ? launch_vk_warp<128, ST>(p, stream) : launch_kv_warp<128, ST>(p, stream);
+      case 256: return p.state_vk ? launch_vk_warp<256, ST>(p, stream) : launch_k<false, ST>(p, Variant::kGeneric, stream);
     }
-    v = Variant::kGeneric;  // the kv layout has no warp build: its columns' reduction crosses rows
+    return static_cast<int>(cudaErrorInvalidValue);
   }
   return p.state_vk ? launch_k<true, ST>(p, v, stream) : launch_k<false, ST>(p, v, stream);
 }

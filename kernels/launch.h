@@ -11,7 +11,7 @@ enum class Variant : int {
   kSm80 = 1,     // cp.async state tiles overlapped with the q/k prologue: sm_80+
   kSm90 = 2,     // thread-block clusters: a head's column tiles co-scheduled on one GPC: sm_90+
   kSm90Tma = 3,  // clusters + cp.async.bulk (TMA engine) row copies on mbarriers: sm_90+
-  kWarp = 4,     // layout vk: one warp per tile held in registers, no block sync (kv: as generic): any arch
+  kWarp = 4,     // one warp per tile held in registers, no block sync (kv with K=256: as generic): any arch
 };
 
 // The one table of kernel variants: the id (index = Variant), the name users and Python see

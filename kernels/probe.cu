@@ -46,10 +46,13 @@ Variant auto_variant(int image_arch, int64_t heads, bool state_vk) {
   // Layout vk: the warp build (one warp per register-held tile, no block sync) is fastest at every
   // batch on H100 (Qwen3-Next, raw gates; fp32 state B=1/8/256/1024: 5.2/15.5/372/1464 us against
   // 5.3/17.5 generic, 406/1585 sm80; bf16 state 4.8/10.6/212/830 against 4.8/13.4/256/998).
-  if (state_vk) return Variant::kWarp;
+  // Layout kv: its warp build (a lane holds consecutive rows of a column chunk) likewise, from
+  // B=1 (benchmarks/warp_sweep.cu kv, H100: fp32 B=1/8/256/1024 4.0/15.0/383/1504 us against generic
+  // 4.6/20.1/478/1894; bf16 3.8/9.0/218/854 against 4.1/10.4/323/1281).
+  (void)state_vk;
   (void)heads;
   (void)image_arch;
-  return Variant::kGeneric;
+  return Variant::kWarp;
 }
 
 int device_compute_capability(int device) {

@@ -154,24 +154,27 @@ def test_io_dtypes_and_head_groups(name, variant, dtype, H, HV, l2norm):
 
 
 # Batches at Qwen3-Next's head counts that reach every build of the warp variant for K = V = 128
-# (kernels/gdn_decode.cu launch_vk_warp, up to 132 SMs): fp32 4-row tiles, two 8-row tiles per
-# warp, 32-row tiles; bf16 8-row, 16-row, and 32-row tiles in a persistent grid whose warps loop
-# over several tiles each. Other head dims have one build.
+# (kernels/gdn_decode.cu launch_vk_warp and launch_kv_warp, up to 132 SMs). vk: fp32 4-row tiles,
+# two 8-row tiles per warp, 32-row tiles; bf16 8-row, 16-row, and 32-row tiles in a persistent grid
+# whose warps loop over several tiles each. kv: 4 column chunks with and without programmatic
+# dependent launch (below and past 4 warps per SM), fp32 8 chunks in 2-warp blocks past one
+# (request, head) pair per SM. Other head dims have one build; kv with K = 256 runs generic.
 WARP_BUILD_BATCHES = [(128, 128, 2), (128, 128, 12), (128, 128, 37), (128, 128, 300), (256, 128, 37),
-                      (64, 256, 37), (256, 64, 37)]
+                      (64, 256, 37), (256, 64, 37), (64, 64, 5)]
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("K,V,N", WARP_BUILD_BATCHES)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
-def test_warp_build_over_an_engine_batch_and_several_steps(kind, K, V, N, state_dtype):
-    # The vk warp build at Qwen3-Next's head counts (one warp per tile, many tiles), raw gates, the
+def test_warp_build_over_an_engine_batch_and_several_steps(kind, layout, K, V, N, state_dtype):
+    # The warp builds at Qwen3-Next's head counts (one warp per tile, many tiles), raw gates, the
     # null block and both invalid slots, three steps in a row on the same pool.
-    t = make(N=N, H=16, HV=32, K=K, V=V, P=N + 8, kda=kind == "kda", layout="vk", state_dtype=state_dtype,
+    t = make(N=N, H=16, HV=32, K=K, V=V, P=N + 8, kda=kind == "kda", layout=layout, state_dtype=state_dtype,
              invalid=(0, 1) if N < 8 else (3, 8))
     t["idx"][N // 2] = 0
     for _ in range(3):
-        assert_step_matches(kind, _native.variants()["warp"], t, gates="raw", layout="vk", rule="nonpositive")
+        assert_step_matches(kind, _native.variants()["warp"], t, gates="raw", layout=layout, rule="nonpositive")
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -183,14 +186,16 @@ def test_a_batch_past_the_grid_limit_of_65535_requests(layout):
     assert_step_matches("gdn", -1, t, gates="raw", layout=layout)
 
 
-def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
+@pytest.mark.parametrize("layout,N", [("vk", 5), ("kv", 2)])
+def test_programmatic_dependent_launch_changes_no_bit(tmp_path, layout, N):
     # CUDELTA_PDL=0 launches without programmatic dependent launch (read once per process): the
-    # same steps, captured in a CUDA graph and replayed, give the same bits either way.
+    # same steps, captured in a CUDA graph and replayed, give the same bits either way. (kv: the
+    # 4-chunk build launches with it only up to 4 warps per SM, so a small batch.)
     script = tmp_path / "steps.py"
     script.write_text(
         "import sys, torch, cudelta\n"
         "g = torch.Generator().manual_seed(3)\n"
-        "N, H, HV, K = 5, 16, 32, 128\n"
+        "N, H, HV, K = int(sys.argv[4]), 16, 32, 128\n"
         "q, k = (torch.randn(N, H, K, generator=g).cuda().bfloat16() for _ in range(2))\n"
         "v = torch.randn(N, HV, K, generator=g).cuda().bfloat16()\n"
         "a, b = (torch.randn(N, HV, generator=g).cuda().bfloat16() for _ in range(2))\n"
@@ -199,7 +204,7 @@ def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
         "idx = torch.arange(1, N + 1, dtype=torch.int32).cuda()\n"
         "out = torch.empty(N, HV, K, device='cuda', dtype=torch.bfloat16)\n"
         "step = lambda: cudelta.gdn_decode(q, k, v, None, None, pool, idx, a=a, b=b, A_log=A_log, dt_bias=dt,\n"
-        "                                  use_qk_l2norm=True, layout='vk', invalid_slot='nonpositive', out=out)\n"
+        "                                  use_qk_l2norm=True, layout=sys.argv[3], invalid_slot='nonpositive', out=out)\n"
         "step()\n"
         "graph = torch.cuda.CUDAGraph()\n"
         "with torch.cuda.graph(graph):\n"
@@ -215,20 +220,21 @@ def test_programmatic_dependent_launch_changes_no_bit(tmp_path):
         for pdl in ("0", "1"):
             path = tmp_path / f"{dtype}-{pdl}.pt"
             env = dict(os.environ, CUDELTA_PDL=pdl)
-            subprocess.run([sys.executable, "-P", str(script), str(path), dtype], env=env, check=True)
+            subprocess.run([sys.executable, "-P", str(script), str(path), dtype, layout, str(N)], env=env, check=True)
             results.append(torch.load(path))
         assert torch.equal(results[0]["pool"], results[1]["pool"])
         assert torch.equal(results[0]["out"], results[1]["out"])
-    bad = subprocess.run([sys.executable, "-P", str(script), str(tmp_path / "bad.pt"), "float32"],
+    bad = subprocess.run([sys.executable, "-P", str(script), str(tmp_path / "bad.pt"), "float32", layout, str(N)],
                          env=dict(os.environ, CUDELTA_PDL="yes"), capture_output=True, text=True)
     assert bad.returncode != 0
     assert "CUDELTA_PDL=yes is not accepted; accepted: 0 (off), 1 (on, the default)" in bad.stderr
 
 
-def test_auto_takes_the_warp_build_for_vk():
-    assert torch.ops.cudelta.select_variant(0, -1, 1) in _native.variants().values()
-    t = make(N=3, H=2, HV=4, K=128, V=128, P=6, layout="vk")
-    assert_step_matches("gdn", -1, t, gates="raw", layout="vk")
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_auto_takes_the_warp_build(layout):
+    assert torch.ops.cudelta.select_variant(0, -1, 1) == _native.variants()["warp"]
+    t = make(N=3, H=2, HV=4, K=128, V=128, P=6, layout=layout)
+    assert_step_matches("gdn", -1, t, gates="raw", layout=layout)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])

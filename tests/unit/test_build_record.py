@@ -57,6 +57,8 @@ def test_a_real_record_passes_every_reader(tmp_path):
     header = build_record.write_header(record, tmp_path / "generated").read_text()
     embedded = re.search(r'R"cudelta\((.*)\)cudelta"', header).group(1)
     assert build_record.loads(embedded) == record
+    # The library's error messages name the same reinstall command as the loader's.
+    assert f'kReinstall = "{build_record.reader.REINSTALL}";' in header
 
     # The run-time loader, before dlopen.
     from cudelta import _native
