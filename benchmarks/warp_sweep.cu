@@ -51,21 +51,21 @@ struct Config {
 
 // BW rows per tile, TPW tiles per warp (all loaded before the first is reduced). A shape whose
 // fp32 tiles would not fit in registers is timed for bf16 only.
-template <int BW, int TPW = 1, bool PERSIST = false>
+template <int BW, int TPW = 1, bool PERSIST = false, bool STREAM = false>
 Config rows(const char* name) {
   Launch f32 = nullptr;
-  if constexpr (BW * TPW <= 32) f32 = &cudelta::launch_vk_warp_rows<K, float, BW, TPW, PERSIST>;
-  return {name, f32, &cudelta::launch_vk_warp_rows<K, __nv_bfloat16, BW, TPW, PERSIST>};
+  if constexpr (BW * TPW <= 32) f32 = &cudelta::launch_vk_warp_rows<K, float, BW, TPW, PERSIST, STREAM>;
+  return {name, f32, &cudelta::launch_vk_warp_rows<K, __nv_bfloat16, BW, TPW, PERSIST, STREAM>};
 }
 
 // kv: CPR 16-byte column chunks per tile (fp32 4 columns each, bf16 8).
 // wN: N warps per block (adjacent column tiles of one head, started together).
 // A block wider than V is timed for the other state dtype only.
-template <int CPR, int WPB = 1>
+template <int CPR, int WPB = 1, bool STREAM = false>
 Config cols(const char* name) {
   Launch f32 = nullptr, bf16 = nullptr;
-  if constexpr (CPR * 4 * WPB <= V) f32 = &cudelta::launch_kv_warp_cols<K, float, CPR, WPB>;
-  if constexpr (CPR * 8 * WPB <= V) bf16 = &cudelta::launch_kv_warp_cols<K, __nv_bfloat16, CPR, WPB>;
+  if constexpr (CPR * 4 * WPB <= V) f32 = &cudelta::launch_kv_warp_cols<K, float, CPR, WPB, STREAM>;
+  if constexpr (CPR * 8 * WPB <= V) bf16 = &cudelta::launch_kv_warp_cols<K, __nv_bfloat16, CPR, WPB, STREAM>;
   return {name, f32, bf16};
 }
 
@@ -167,13 +167,17 @@ int main(int argc, char** argv) {
     for (int i = first; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
   }
   // vk: bwN N-row tiles; xT: T tiles per warp; p: persistent grid (one wave looping over the tiles).
-  // kv: cN, N 16-byte column chunks per tile; wN, N warps per block.
+  // kv: cN, N 16-byte column chunks per tile; wN, N warps per block. cs: the state with the
+  // evict-first cache hint.
   const std::vector<Config> configs =
       vk ? std::vector<Config>{rows<4>("bw4"), rows<8>("bw8"), rows<16>("bw16"), rows<32>("bw32"),
                                rows<8, 2>("bw8x2"), rows<16, 2>("bw16x2"), rows<8, 1, true>("bw8p"),
-                               rows<16, 1, true>("bw16p"), rows<32, 1, true>("bw32p")}
+                               rows<16, 1, true>("bw16p"), rows<32, 1, true>("bw32p"),
+                               rows<16, 1, false, true>("bw16cs"), rows<32, 1, false, true>("bw32cs"),
+                               rows<8, 2, false, true>("bw8x2cs"), rows<32, 1, true, true>("bw32pcs")}
          : std::vector<Config>{cols<2>("c2"), cols<4>("c4"), cols<8>("c8"), cols<4, 2>("c4w2"), cols<4, 4>("c4w4"),
-                               cols<8, 2>("c8w2"), cols<8, 4>("c8w4")};
+                               cols<8, 2>("c8w2"), cols<8, 4>("c8w4"), cols<4, 1, true>("c4cs"),
+                               cols<8, 2, true>("c8w2cs")};
   const Launch reference = vk ? product : generic;
   int dev = 0, sms = 0;
   CK(cudaSetDevice(dev));

@@ -754,6 +754,22 @@ __device__ __forceinline__ void butterfly(float* a, float* b, int lane) {
   }
 }
 
+// The warp kernels' state chunks, each read and written once per step. STREAM: with the
+// evict-first ("streaming") cache hint (ld.global.cs / st.global.cs), so the state passing through
+// does not displace what L2 holds for longer. A launch-rule choice (launch_vk_warp, launch_kv_warp):
+// on H100 it gained 2-7% at mid batches, and lost where a step's state stays in L2 between calls
+// (B = 1 in the benchmark) or at B = 1024.
+template <bool STREAM, typename T>
+__device__ __forceinline__ T state_load(const T* p) {
+  if constexpr (STREAM) return __ldcs(p);
+  else return *p;
+}
+template <bool STREAM, typename T>
+__device__ __forceinline__ void state_store(T* p, const T& x) {
+  if constexpr (STREAM) __stcs(p, x);
+  else *p = x;
+}
+
 // Hides a chunk's value from the compiler, so the widened copy made for the reduction is not kept
 // live until the update (that doubled the registers of a bf16 tile); the update widens it again.
 __device__ __forceinline__ void opaque(float4& x) {
@@ -774,7 +790,7 @@ constexpr int warp_min_blocks() {
 }
 
 // One work item of the warp kernel: request n32, value head hv32, group g of TPW tiles.
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW>
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM>
 __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, uint32_t hv32, uint32_t n32) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
@@ -801,7 +817,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) s[t][j][i] = S[(t * BW + r + RPP * j) * KC + i * LPR + l];
+      for (int i = 0; i < CPL; ++i) s[t][j][i] = state_load<STREAM>(S + (t * BW + r + RPP * j) * KC + i * LPR + l);
     }
   }
   // The row this lane reduces last (the butterfly's result) and its v.
@@ -917,7 +933,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
         C::widen(s[t][j][i], x);
 #pragma unroll
         for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i][m] + kv[i][m] * us;
-        S[(t * BW + r + RPP * j) * KC + i * LPR + l] = C::narrow(x);
+        state_store<STREAM>(S + (t * BW + r + RPP * j) * KC + i * LPR + l, C::narrow(x));
       }
     }
   }
@@ -926,7 +942,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
 // PERSIST: a grid of one wave whose warps loop over the work items, so a warp's stores drain while
 // it loads its next tile instead of holding its registers at exit, and no block is launched per
 // tile (H100, bf16 state, 32-row tiles: 2-4% faster at B = 64-256).
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW = 1, bool PERSIST = false>
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW = 1, bool PERSIST = false, bool STREAM = false>
 __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_warp_kernel(const GdnDecodeParams p) {
   pdl_enter();
   if constexpr (PERSIST) {
@@ -936,12 +952,12 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decod
     const uint32_t items = static_cast<uint32_t>(p.N) * HV * groups;
     for (uint32_t w = blockIdx.x; w < items; w += gridDim.x) {
       const uint32_t nh = w / groups, n = nh / HV;
-      warp_tile<K, ST, BW, PER_CHANNEL, TPW>(p, w - nh * groups, nh - n * HV, n);
+      warp_tile<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, w - nh * groups, nh - n * HV, n);
     }
   } else {
     // A grid of (tile groups, value heads, requests): no division before the slot's load
     // (launch_gdn_decode keeps N within the grid's z limit).
-    warp_tile<K, ST, BW, PER_CHANNEL, TPW>(p, blockIdx.x, blockIdx.y, blockIdx.z);
+    warp_tile<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, blockIdx.x, blockIdx.y, blockIdx.z);
   }
 }
 
@@ -968,14 +984,14 @@ inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int
   return static_cast<unsigned>(n);
 }
 
-template <int K, typename ST, int BW, int TPW = 1, bool PERSIST = false>
+template <int K, typename ST, int BW, int TPW = 1, bool PERSIST = false, bool STREAM = false>
 int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.g_per_channel ? decode_vk_warp_kernel<K, ST, BW, true, TPW, PERSIST>
-                                : decode_vk_warp_kernel<K, ST, BW, false, TPW, PERSIST>;
+  auto kernel = p.g_per_channel ? decode_vk_warp_kernel<K, ST, BW, true, TPW, PERSIST, STREAM>
+                                : decode_vk_warp_kernel<K, ST, BW, false, TPW, PERSIST, STREAM>;
   int64_t grid = p.N * p.HV * (p.V / (BW * TPW));
   if constexpr (PERSIST) {
     // One wave of resident warps (the GDN build stands for both, as for the block kernels).
-    const int per_sm = resident_blocks_of<decode_vk_warp_kernel<K, ST, BW, false, TPW, true>>(p.device, 32, 0);
+    const int per_sm = resident_blocks_of<decode_vk_warp_kernel<K, ST, BW, false, TPW, true, STREAM>>(p.device, 32, 0);
     const int64_t wave = int64_t(per_sm > 0 ? per_sm : 1) * (p.sm_count > 0 ? p.sm_count : 1);
     grid = grid < wave ? grid : wave;
   }
@@ -995,28 +1011,27 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
 // (benchmarks/warp_sweep.cu, H100, K = V = 128; results in benchmarks/results-h100-kernel.md).
 // Small batches are latency: short tiles, many warps, each with little dependent work. From a few
 // pairs per SM the bytes in flight per warp decide: fp32 two 8-row tiles per warp, then 32-row
-// tiles at B=1024; bf16 32-row tiles, in a persistent grid up to B=256. Programmatic dependent
-// launch (where the params allow it) gained 0.1-0.7 us per step on every non-persistent build
-// chosen here and cost up to 3% on the persistent one, whose grid already fills every warp slot.
+// tiles at B=1024; bf16 32-row tiles. At mid batches (a few to 64 pairs per SM) the evict-first
+// state (STREAM) gained 1-7%; it lost at B=1 (where the benchmark's state stays in L2 between
+// steps) and at B >= 256 (fp32) or 512 (bf16). Programmatic dependent launch (where the params
+// allow it) gained 0.1-0.7 us per step on every build chosen here. The persistent grid (PERSIST)
+// stays in the sweep: the evict-first 32-row build beat it wherever it had won (B = 32-256 bf16).
 // The extra builds are for K = 128 only (Qwen3-Next, Kimi-Linear): each costs release compile time.
 template <int K, typename ST>
 int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (K == 128) {
     const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
     if constexpr (std::is_same_v<ST, float>) {
-      // H100, us per step (vLLM's kernel): B=1 3.3 (5.3), B=8 14.3 (14.3), B=128 186.4 (187.1), B=1024 1456 (1463)
+      // H100, us per step: B=1 3.3, B=8 13.5, B=32 49.1, B=128 186.3, B=1024 1455
       if (pairs <= sms) return launch_vk_warp_rows<K, ST, 4>(p, stream);
+      if (pairs <= 16 * sms) return launch_vk_warp_rows<K, ST, 8, 2, false, true>(p, stream);
       if (pairs <= 64 * sms) return launch_vk_warp_rows<K, ST, 8, 2>(p, stream);
       return launch_vk_warp_rows<K, ST, 32>(p, stream);
     } else {
-      // H100, us per step (vLLM's kernel): B=1 3.0 (3.4), B=8 8.9 (8.9), B=128 101.8 (97.6), B=1024 783 (747)
+      // H100, us per step: B=1 3.0, B=8 8.8, B=32 27.9, B=128 98.3, B=1024 780
       if (pairs <= sms / 2) return launch_vk_warp_rows<K, ST, 8>(p, stream);
       if (pairs <= 4 * sms) return launch_vk_warp_rows<K, ST, 16>(p, stream);
-      if (pairs <= 64 * sms) {
-        GdnDecodeParams persistent = p;
-        persistent.pdl = false;
-        return launch_vk_warp_rows<K, ST, 32, 1, true>(persistent, stream);
-      }
+      if (pairs <= 64 * sms) return launch_vk_warp_rows<K, ST, 32, 1, false, true>(p, stream);
       return launch_vk_warp_rows<K, ST, 32>(p, stream);
     }
   }
@@ -1070,7 +1085,7 @@ constexpr int kv_warp_min_blocks() {
 
 // WPB warps per block: adjacent column tiles of one head, each warp on its own (no block sync),
 // started together so a row's segments are read and written at about the same time.
-template <int K, typename ST, int CPR, bool PER_CHANNEL, int WPB = 1>
+template <int K, typename ST, int CPR, bool PER_CHANNEL, int WPB = 1, bool STREAM = false>
 __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_CHANNEL>() / WPB > 0
                                                   ? kv_warp_min_blocks<K, ST, CPR, PER_CHANNEL>() / WPB
                                                   : 1))
@@ -1101,7 +1116,7 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
 
   Raw s[NR];
 #pragma unroll
-  for (int j = 0; j < NR; ++j) s[j] = S[j * row_chunks];
+  for (int j = 0; j < NR; ++j) s[j] = state_load<STREAM>(S + j * row_chunks);
   // v of the columns this lane ends the reduction with (kv_first_column).
   const int m0 = kv_first_column<E, CPR>(lane);
   float vv[NF];
@@ -1187,13 +1202,14 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
     const float dj = PER_CHANNEL ? decay[j] : decay[0];
 #pragma unroll
     for (int m = 0; m < E; ++m) x[m] = x[m] * dj + kv[j] * us[m];
-    *w = C::narrow(x);
+    state_store<STREAM>(w, C::narrow(x));
   }
 }
 
-template <int K, typename ST, int CPR, int WPB = 1>
+template <int K, typename ST, int CPR, int WPB = 1, bool STREAM = false>
 int launch_kv_warp_cols(const GdnDecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.g_per_channel ? decode_kv_warp_kernel<K, ST, CPR, true, WPB> : decode_kv_warp_kernel<K, ST, CPR, false, WPB>;
+  auto kernel = p.g_per_channel ? decode_kv_warp_kernel<K, ST, CPR, true, WPB, STREAM>
+                                : decode_kv_warp_kernel<K, ST, CPR, false, WPB, STREAM>;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.V / (KvWarpShape<K, ST, CPR>::BW * WPB)), static_cast<unsigned>(p.HV),
                      static_cast<unsigned>(p.N));
@@ -1307,22 +1323,31 @@ int launch_k(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
 
 // Which kv warp build a launch takes (K = 64, 128; K = 256 runs the generic block kernel), from the
 // sweep of every shape (benchmarks/warp_sweep.cu kv, H100, K = V = 128; results in
-// benchmarks/results-h100-kernel.md). Four column chunks per tile (fp32 16 columns, bf16 32) at
-// every batch, but fp32 past one (request, head) pair per SM: 32 columns (128-byte row segments,
-// 254 registers) in blocks of two warps. Programmatic dependent launch cost the 4-chunk build
-// 0.3-1.7 us once its grid passed 4 warps per SM (the next step's early warps take the slots this
-// one still needs) and gained 0.1-0.4 us below; the 8-chunk build gains or loses < 1%.
+// benchmarks/results-h100-kernel.md). Four column chunks per tile (fp32 16 columns, bf16 32) for
+// small batches; fp32 past one (request, head) pair per SM: 32 columns (128-byte row segments, 254
+// registers) in blocks of two warps; bf16 past 8 pairs per SM: blocks of four warps (a head's
+// whole rows at once). The evict-first state (STREAM) from B = 4 (bf16) or 8 (fp32) to B = 32
+// (bf16) or 128 (fp32), as for vk. Programmatic dependent launch cost the 4-chunk builds 0.3-1.7 us
+// once the grid passed 4 warps per SM (the next step's early warps take the slots this one still
+// needs) and gained 0.1-0.4 us below; the multi-warp blocks gain or lose < 1%. Extra builds for
+// K = 128 only, as for vk.
 template <int K, typename ST>
 int launch_kv_warp(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
+  GdnDecodeParams small = p;
+  small.pdl = p.pdl && pairs * (p.V / KvWarpShape<K, ST, 4>::BW) <= 4 * sms;
   if constexpr (K == 128 && std::is_same_v<ST, float>) {
-    // H100, us per step (generic block kernel): B=1 4.0 (4.6), B=8 15.0 (20.1), B=256 382.7 (477.8), B=1024 1504 (1894)
-    if (pairs > sms) return launch_kv_warp_cols<K, ST, 8, 2>(p, stream);
+    // H100, us per step (generic block kernel): B=1 3.9 (4.4), B=8 13.9 (18.6), B=128 192.8 (234.5), B=1024 1494 (1838)
+    if (pairs <= sms) return launch_kv_warp_cols<K, ST, 4>(small, stream);
+    if (pairs <= 32 * sms) return launch_kv_warp_cols<K, ST, 8, 2, true>(p, stream);
+    return launch_kv_warp_cols<K, ST, 8, 2>(p, stream);
+  } else if constexpr (K == 128) {
+    // H100, us per step (generic block kernel): B=1 3.7 (3.8), B=8 8.7 (10.3), B=128 108.7 (160.4), B=1024 823 (1245)
+    if (pairs <= sms / 2) return launch_kv_warp_cols<K, ST, 4>(small, stream);
+    if (pairs <= 8 * sms) return launch_kv_warp_cols<K, ST, 4, 1, true>(small, stream);
+    if (p.V % (4 * KvWarpShape<K, ST, 4>::BW) == 0) return launch_kv_warp_cols<K, ST, 4, 4>(p, stream);
   }
-  // H100, bf16 state: B=1 3.8 (4.1), B=8 9.0 (10.4), B=256 218.2 (322.9), B=1024 853.9 (1281.2)
-  GdnDecodeParams q = p;
-  q.pdl = p.pdl && pairs * (p.V / KvWarpShape<K, ST, 4>::BW) <= 4 * sms;
-  return launch_kv_warp_cols<K, ST, 4>(q, stream);
+  return launch_kv_warp_cols<K, ST, 4>(small, stream);
 }
 
 template <typename ST>
