@@ -941,7 +941,10 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
 
 // PERSIST: a grid of one wave whose warps loop over the work items, so a warp's stores drain while
 // it loads its next tile instead of holding its registers at exit, and no block is launched per
-// tile (H100, bf16 state, 32-row tiles: 2-4% faster at B = 64-256).
+// tile (H100, bf16 state, 32-row tiles: 2-4% faster at B = 64-256 than the plain grid, but slower
+// than the plain grid with the evict-first state, so the launch rule no longer takes it; the sweep
+// still times it).
+// STREAM: the state loads and stores carry the evict-first hint (state_load).
 template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW = 1, bool PERSIST = false, bool STREAM = false>
 __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_warp_kernel(const GdnDecodeParams p) {
   pdl_enter();
