@@ -77,36 +77,69 @@ __device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float x) {
   }
 }
 
-// E consecutive elements from `at` as float: vector loads where the caller knows them aligned
-// (GdnDecodeParams::qk_aligned, and `at` a multiple of E), else one load each.
+// --- loads apart from their widening (the warp kernels) -----------------------------------------
+// A load inside a run-time dtype switch gets its first use (the widening to float) inside the same
+// case, so the warp waits for it there, before it issues the next load: ncu on the vk warp kernel
+// (bf16 state, B=1024) put 70% of the stall samples on the widenings right after the v, q, k and gate
+// loads, each a round trip of its own. These load raw bits (the dtype picks a predicated load, no
+// use) and widen later, branch-free, so a warp issues every load first and waits once.
+
+// One element's bits: fp32's 32, or a 16-bit dtype's in the low half.
+__device__ __forceinline__ uint32_t load_bits(const void* p, DType t, int64_t i) {
+  uint32_t b;
+  if (t == DType::kFloat32) b = static_cast<const uint32_t*>(p)[i];
+  else b = static_cast<const uint16_t*>(p)[i];
+  return b;
+}
+__device__ __forceinline__ float widen_bits(uint32_t b, DType t) {
+  const float h = __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  return t == DType::kFloat32 ? __uint_as_float(b) : t == DType::kBFloat16 ? __uint_as_float(b << 16) : h;
+}
+
+// E consecutive elements' bits: vector loads where aligned (fp32: one word an element; 16-bit dtypes:
+// two), else one load each (one element a word).
 template <int E>
-__device__ __forceinline__ void load_run(const void* p, DType t, int64_t at, bool aligned, float* x) {
+struct RunBits {
+  uint32_t w[E];
+};
+template <int E>
+__device__ __forceinline__ RunBits<E> load_run_bits(const void* p, DType t, int64_t at, bool aligned) {
   static_assert(E == 4 || E == 8, "runs of 4 or 8");
-  if (aligned && t != DType::kFloat32) {
-    uint32_t w[E / 2];
-    if constexpr (E == 8) {
-      const uint4 r = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + at);
-      w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
-    } else {
-      const uint2 r = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p) + at);
-      w[0] = r.x; w[1] = r.y;
-    }
-#pragma unroll
-    for (int i = 0; i < E / 2; ++i) {
-      const float2 f = t == DType::kBFloat16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]))
-                                             : __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      x[2 * i] = f.x;
-      x[2 * i + 1] = f.y;
-    }
-  } else if (aligned) {
+  RunBits<E> r;
+  if (aligned && t == DType::kFloat32) {
+    const uint4* v = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p) + at);
 #pragma unroll
     for (int i = 0; i < E / 4; ++i) {
-      const float4 f = reinterpret_cast<const float4*>(static_cast<const float*>(p) + at)[i];
-      x[4 * i] = f.x; x[4 * i + 1] = f.y; x[4 * i + 2] = f.z; x[4 * i + 3] = f.w;
+      const uint4 x = v[i];
+      r.w[4 * i] = x.x; r.w[4 * i + 1] = x.y; r.w[4 * i + 2] = x.z; r.w[4 * i + 3] = x.w;
+    }
+  } else if (aligned) {
+    if constexpr (E == 8) {
+      const uint4 x = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + at);
+      r.w[0] = x.x; r.w[1] = x.y; r.w[2] = x.z; r.w[3] = x.w;
+    } else {
+      const uint2 x = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p) + at);
+      r.w[0] = x.x; r.w[1] = x.y;
     }
   } else {
 #pragma unroll
-    for (int m = 0; m < E; ++m) x[m] = load_f(p, t, at + m);
+    for (int m = 0; m < E; ++m) r.w[m] = load_bits(p, t, at + m);
+  }
+  return r;
+}
+template <int E>
+__device__ __forceinline__ void widen_run(const RunBits<E>& r, DType t, bool aligned, float* x) {
+  if (aligned && t != DType::kFloat32) {
+#pragma unroll
+    for (int i = 0; i < E / 2; ++i) {
+      const float2 f = t == DType::kBFloat16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.w[i]))
+                                             : __half22float2(*reinterpret_cast<const __half2*>(&r.w[i]));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int m = 0; m < E; ++m) x[m] = widen_bits(r.w[m], t);
   }
 }
 
@@ -271,6 +304,33 @@ __device__ __forceinline__ float log_decay(const GdnDecodeParams& p, int64_t n, 
   if (!p.gate_raw) return x;
   const float bias = load_f(p.dt_bias, p.dt_bias_dtype, channel >= 0 ? hv * p.K + channel : hv);
   return -__expf(load_f(p.A_log, p.A_log_dtype, hv)) * softplus20(x + bias);
+}
+
+// The same two gates in two phases (the warp kernels): the bits of their inputs, then the value.
+// A_log is one per head (a_log_bits: 0 with precomputed gates).
+struct DecayBits {
+  uint32_t x, bias;
+};
+__device__ __forceinline__ DecayBits load_decay_bits(const GdnDecodeParams& p, int64_t n, int64_t hv, int channel) {
+  DecayBits b;
+  b.x = load_bits(p.g, p.g_dtype, n * p.g_stride_n + hv * p.g_stride_h + (channel >= 0 ? channel : 0));
+  b.bias = p.gate_raw ? load_bits(p.dt_bias, p.dt_bias_dtype, channel >= 0 ? hv * p.K + channel : hv) : 0u;
+  return b;
+}
+__device__ __forceinline__ uint32_t load_a_log_bits(const GdnDecodeParams& p, int64_t hv) {
+  return p.gate_raw ? load_bits(p.A_log, p.A_log_dtype, hv) : 0u;
+}
+__device__ __forceinline__ float log_decay_of(const GdnDecodeParams& p, const DecayBits& b, uint32_t a_log_bits) {
+  const float x = widen_bits(b.x, p.g_dtype);
+  if (!p.gate_raw) return x;
+  return -__expf(widen_bits(a_log_bits, p.A_log_dtype)) * softplus20(x + widen_bits(b.bias, p.dt_bias_dtype));
+}
+__device__ __forceinline__ uint32_t load_beta_bits(const GdnDecodeParams& p, int64_t n, int64_t hv) {
+  return load_bits(p.beta, p.beta_dtype, n * p.beta_stride_n + hv * p.beta_stride_h);
+}
+__device__ __forceinline__ float beta_of(const GdnDecodeParams& p, uint32_t bits) {
+  const float x = widen_bits(bits, p.beta_dtype);
+  return p.beta_raw ? __frcp_rn(1.f + __expf(-x)) : x;
 }
 
 __device__ __forceinline__ float load_beta(const GdnDecodeParams& p, int64_t n, int64_t hv) {
@@ -823,34 +883,55 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
   // The row this lane reduces last (the butterfly's result) and its v.
   const int my_j = l / F;
   const int my_row = r + RPP * my_j;
+  // Every other load of the step (v, q and k of this lane's channels, the gates) before any use.
+  uint32_t v_bits[TPW];
+#pragma unroll
+  for (int t = 0; t < TPW; ++t) v_bits[t] = load_bits(p.v, p.dtype, n * p.v_stride_n + hv * p.v_stride_h + row0 + t * BW + my_row);
+  const int64_t qo = n * p.q_stride_n + h * p.q_stride_h, ko = n * p.k_stride_n + h * p.k_stride_h;
+  RunBits<E> q_bits[CPL], k_bits[CPL];
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    q_bits[i] = load_run_bits<E>(p.q, p.dtype, qo + E * (i * LPR + l), p.qk_aligned);
+    k_bits[i] = load_run_bits<E>(p.k, p.dtype, ko + E * (i * LPR + l), p.qk_aligned);
+  }
+  DecayBits d_bits[PER_CHANNEL ? CPL * E : 1];
+  if constexpr (PER_CHANNEL) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+      for (int m = 0; m < E; ++m) d_bits[i * E + m] = load_decay_bits(p, n, hv, E * (i * LPR + l) + m);
+    }
+  } else {
+    d_bits[0] = load_decay_bits(p, n, hv, -1);
+  }
+  const uint32_t a_log_bits = load_a_log_bits(p, hv), beta_bits = load_beta_bits(p, n, hv);
+
+  // Then their values, and the three dot products over the row's lanes.
   float vv[TPW];
 #pragma unroll
-  for (int t = 0; t < TPW; ++t) vv[t] = load_f(p.v, p.dtype, n * p.v_stride_n + hv * p.v_stride_h + row0 + t * BW + my_row);
-
-  // q, k of this lane's channels, and the three dot products over the row's lanes.
-  const int64_t qo = n * p.q_stride_n + h * p.q_stride_h, ko = n * p.k_stride_n + h * p.k_stride_h;
+  for (int t = 0; t < TPW; ++t) vv[t] = widen_bits(v_bits[t], p.dtype);
   float qv[CPL][E], kv[CPL][E], decay[CPL][E];
   float sqq = 0.f, skk = 0.f, sqk = 0.f;
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
-    load_run<E>(p.q, p.dtype, qo + E * (i * LPR + l), p.qk_aligned, qv[i]);
-    load_run<E>(p.k, p.dtype, ko + E * (i * LPR + l), p.qk_aligned, kv[i]);
+    widen_run<E>(q_bits[i], p.dtype, p.qk_aligned, qv[i]);
+    widen_run<E>(k_bits[i], p.dtype, p.qk_aligned, kv[i]);
   }
   if constexpr (PER_CHANNEL) {
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
 #pragma unroll
-      for (int m = 0; m < E; ++m) decay[i][m] = __expf(log_decay(p, n, hv, E * (i * LPR + l) + m));
+      for (int m = 0; m < E; ++m) decay[i][m] = __expf(log_decay_of(p, d_bits[i * E + m], a_log_bits));
     }
   } else {
-    const float d = __expf(log_decay(p, n, hv, -1));
+    const float d = __expf(log_decay_of(p, d_bits[0], a_log_bits));
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
 #pragma unroll
       for (int m = 0; m < E; ++m) decay[i][m] = d;
     }
   }
-  const float beta = load_beta(p, n, hv);
+  const float beta = beta_of(p, beta_bits);
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
 #pragma unroll
@@ -1014,28 +1095,28 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
 // (benchmarks/warp_sweep.cu, H100, K = V = 128; results in benchmarks/results-h100-kernel.md).
 // Small batches are latency: short tiles, many warps, each with little dependent work. From a few
 // pairs per SM the bytes in flight per warp decide: fp32 two 8-row tiles per warp, then 32-row
-// tiles at B=1024; bf16 32-row tiles. At mid batches (a few to 64 pairs per SM) the evict-first
+// tiles at B=1024; bf16 16-row tiles. At mid batches (a few to 64 pairs per SM) the evict-first
 // state (STREAM) gained 1-7%; it lost at B=1 (where the benchmark's state stays in L2 between
 // steps) and at B >= 256 (fp32) or 512 (bf16). Programmatic dependent launch (where the params
 // allow it) gained 0.1-0.7 us per step on every build chosen here. The persistent grid (PERSIST)
-// stays in the sweep: the evict-first 32-row build beat it wherever it had won (B = 32-256 bf16).
+// and the 32-row bf16 builds stay in the sweep: since the loads are issued before any is used
+// (load_bits), 16-row bf16 tiles are as fast or faster from B=4 (B=32 26.5 us against 27.0).
 // The extra builds are for K = 128 only (Qwen3-Next, Kimi-Linear): each costs release compile time.
 template <int K, typename ST>
 int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (K == 128) {
     const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
     if constexpr (std::is_same_v<ST, float>) {
-      // H100, us per step: B=1 3.3, B=8 13.5, B=32 49.1, B=128 186.3, B=1024 1455
+      // H100, us per step: B=1 2.7, B=8 12.3, B=32 48.1, B=128 185.2, B=1024 1464
       if (pairs <= sms) return launch_vk_warp_rows<K, ST, 4>(p, stream);
       if (pairs <= 16 * sms) return launch_vk_warp_rows<K, ST, 8, 2, false, true>(p, stream);
       if (pairs <= 64 * sms) return launch_vk_warp_rows<K, ST, 8, 2>(p, stream);
       return launch_vk_warp_rows<K, ST, 32>(p, stream);
     } else {
-      // H100, us per step: B=1 3.0, B=8 8.8, B=32 27.9, B=128 98.3, B=1024 780
+      // H100, us per step: B=1 2.4, B=8 7.6, B=32 26.5, B=128 96.5, B=1024 746
       if (pairs <= sms / 2) return launch_vk_warp_rows<K, ST, 8>(p, stream);
-      if (pairs <= 4 * sms) return launch_vk_warp_rows<K, ST, 16>(p, stream);
-      if (pairs <= 64 * sms) return launch_vk_warp_rows<K, ST, 32, 1, false, true>(p, stream);
-      return launch_vk_warp_rows<K, ST, 32>(p, stream);
+      if (pairs <= 64 * sms) return launch_vk_warp_rows<K, ST, 16, 1, false, true>(p, stream);
+      return launch_vk_warp_rows<K, ST, 16>(p, stream);
     }
   }
   return launch_vk_warp_rows<K, ST, warp_rows_big<K, ST>()>(p, stream);
@@ -1120,26 +1201,39 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
   Raw s[NR];
 #pragma unroll
   for (int j = 0; j < NR; ++j) s[j] = state_load<STREAM>(S + j * row_chunks);
-  // v of the columns this lane ends the reduction with (kv_first_column).
+  // Every other load of the step before any use (as the vk kernel): v of the columns this lane ends
+  // the reduction with (kv_first_column), q and k of its rows, the gates.
   const int m0 = kv_first_column<E, CPR>(lane);
-  float vv[NF];
+  uint32_t v_bits[NF];
 #pragma unroll
-  for (int f = 0; f < NF; ++f) vv[f] = load_f(p.v, p.dtype, n * p.v_stride_n + hv * p.v_stride_h + col0 + m0 + f);
-
+  for (int f = 0; f < NF; ++f) v_bits[f] = load_bits(p.v, p.dtype, n * p.v_stride_n + hv * p.v_stride_h + col0 + m0 + f);
   const int64_t qo = n * p.q_stride_n + h * p.q_stride_h + r * NR, ko = n * p.k_stride_n + h * p.k_stride_h + r * NR;
-  float qv[NR], kv[NR], decay[PER_CHANNEL ? NR : 1];
+  RunBits<RUN> q_bits[NR / RUN], k_bits[NR / RUN];
 #pragma unroll
   for (int i = 0; i < NR / RUN; ++i) {
-    load_run<RUN>(p.q, p.dtype, qo + RUN * i, p.qk_aligned, qv + RUN * i);
-    load_run<RUN>(p.k, p.dtype, ko + RUN * i, p.qk_aligned, kv + RUN * i);
+    q_bits[i] = load_run_bits<RUN>(p.q, p.dtype, qo + RUN * i, p.qk_aligned);
+    k_bits[i] = load_run_bits<RUN>(p.k, p.dtype, ko + RUN * i, p.qk_aligned);
+  }
+  // KDA's NR per-channel gates are read after q and k are widened (below): their bits beside the
+  // q and k bits and a 32-row fp32 tile spilled.
+  const DecayBits d_bits = load_decay_bits(p, n, hv, -1);
+  const uint32_t a_log_bits = load_a_log_bits(p, hv), beta_bits = load_beta_bits(p, n, hv);
+
+  float vv[NF], qv[NR], kv[NR], decay[PER_CHANNEL ? NR : 1];
+#pragma unroll
+  for (int f = 0; f < NF; ++f) vv[f] = widen_bits(v_bits[f], p.dtype);
+#pragma unroll
+  for (int i = 0; i < NR / RUN; ++i) {
+    widen_run<RUN>(q_bits[i], p.dtype, p.qk_aligned, qv + RUN * i);
+    widen_run<RUN>(k_bits[i], p.dtype, p.qk_aligned, kv + RUN * i);
   }
   if constexpr (PER_CHANNEL) {
 #pragma unroll
     for (int j = 0; j < NR; ++j) decay[j] = __expf(log_decay(p, n, hv, r * NR + j));
   } else {
-    decay[0] = __expf(log_decay(p, n, hv, -1));
+    decay[0] = __expf(log_decay_of(p, d_bits, a_log_bits));
   }
-  const float beta = load_beta(p, n, hv);
+  const float beta = beta_of(p, beta_bits);
   float sqq = 0.f, skk = 0.f, sqk = 0.f;
 #pragma unroll
   for (int j = 0; j < NR; ++j) {
@@ -1328,9 +1422,9 @@ int launch_k(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
 // sweep of every shape (benchmarks/warp_sweep.cu kv, H100, K = V = 128; results in
 // benchmarks/results-h100-kernel.md). Four column chunks per tile (fp32 16 columns, bf16 32) for
 // small batches; fp32 past one (request, head) pair per SM: 32 columns (128-byte row segments, 254
-// registers) in blocks of two warps; bf16 past 8 pairs per SM: blocks of four warps (a head's
-// whole rows at once). The evict-first state (STREAM) from B = 4 (bf16) or 8 (fp32) to B = 32
-// (bf16) or 128 (fp32), as for vk. Programmatic dependent launch cost the 4-chunk builds 0.3-1.7 us
+// registers) in blocks of two warps; bf16 past 4 pairs per SM: blocks of four warps (a head's
+// whole rows at once). The evict-first state (STREAM) from B = 4 (bf16) or 8 (fp32) to B = 16
+// (bf16) or 64 (fp32), as for vk. Programmatic dependent launch cost the 4-chunk builds 0.3-1.7 us
 // once the grid passed 4 warps per SM (the next step's early warps take the slots this one still
 // needs) and gained 0.1-0.4 us below; the multi-warp blocks gain or lose < 1%. Extra builds for
 // K = 128 only, as for vk.
@@ -1340,14 +1434,14 @@ int launch_kv_warp(const GdnDecodeParams& p, cudaStream_t stream) {
   GdnDecodeParams small = p;
   small.pdl = p.pdl && pairs * (p.V / KvWarpShape<K, ST, 4>::BW) <= 4 * sms;
   if constexpr (K == 128 && std::is_same_v<ST, float>) {
-    // H100, us per step (generic block kernel): B=1 3.9 (4.4), B=8 13.9 (18.6), B=128 192.8 (234.5), B=1024 1494 (1838)
+    // H100, us per step (generic block kernel): B=1 3.4 (4.4), B=8 13.5 (18.6), B=128 189.5 (234.5), B=1024 1476 (1838)
     if (pairs <= sms) return launch_kv_warp_cols<K, ST, 4>(small, stream);
-    if (pairs <= 32 * sms) return launch_kv_warp_cols<K, ST, 8, 2, true>(p, stream);
+    if (pairs <= 16 * sms) return launch_kv_warp_cols<K, ST, 8, 2, true>(p, stream);
     return launch_kv_warp_cols<K, ST, 8, 2>(p, stream);
   } else if constexpr (K == 128) {
-    // H100, us per step (generic block kernel): B=1 3.7 (3.8), B=8 8.7 (10.3), B=128 108.7 (160.4), B=1024 823 (1245)
+    // H100, us per step (generic block kernel): B=1 3.1 (3.8), B=8 7.9 (10.3), B=128 99.6 (160.4), B=1024 761 (1245)
     if (pairs <= sms / 2) return launch_kv_warp_cols<K, ST, 4>(small, stream);
-    if (pairs <= 8 * sms) return launch_kv_warp_cols<K, ST, 4, 1, true>(small, stream);
+    if (pairs <= 4 * sms) return launch_kv_warp_cols<K, ST, 4, 1, true>(small, stream);
     if (p.V % (4 * KvWarpShape<K, ST, 4>::BW) == 0) return launch_kv_warp_cols<K, ST, 4, 4>(p, stream);
   }
   return launch_kv_warp_cols<K, ST, 4>(small, stream);
