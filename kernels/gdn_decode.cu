@@ -347,6 +347,27 @@ struct QkScales {
   float qk;  // (k . q) after scaling, for o = h'^T q + u (k . q)
 };
 
+// The scales from |q|^2, |k|^2 and q.k summed over the head's K channels.
+__device__ __forceinline__ QkScales qk_scales(const GdnDecodeParams& p, float sqq, float skk, float sqk) {
+  QkScales sc;
+  sc.k = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
+  sc.q = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
+  sc.qk = sqk * sc.k * sc.q;
+  return sc;
+}
+
+// The warp kernels' three sums, added across the lanes that differ in lane bits FIRST .. END / 2.
+template <int FIRST, int END>
+__device__ __forceinline__ QkScales warp_qk_scales(const GdnDecodeParams& p, float sqq, float skk, float sqk) {
+#pragma unroll
+  for (int o = FIRST; o < END; o <<= 1) {
+    sqq += __shfl_xor_sync(0xffffffffu, sqq, o);
+    skk += __shfl_xor_sync(0xffffffffu, skk, o);
+    sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
+  }
+  return qk_scales(p, sqq, skk, sqk);
+}
+
 template <int K, int THREADS = kThreads>
 __device__ __forceinline__ QkScales load_qk(const GdnDecodeParams& p, int64_t n, int64_t h, float* qs, float* ks,
                                             float (*red3)[3]) {
@@ -378,11 +399,7 @@ __device__ __forceinline__ QkScales load_qk(const GdnDecodeParams& p, int64_t n,
     skk += red3[w][1];
     sqk += red3[w][2];
   }
-  QkScales sc;
-  sc.k = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
-  sc.q = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
-  sc.qk = sqk * sc.k * sc.q;
-  return sc;
+  return qk_scales(p, sqq, skk, sqk);
 }
 
 // The q/k head value head hv reads: HV is a multiple of H (grouped value heads), so this is
@@ -941,15 +958,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
       sqk += qv[i][m] * kv[i][m];
     }
   }
-#pragma unroll
-  for (int o = 1; o < LPR; o <<= 1) {
-    sqq += __shfl_xor_sync(0xffffffffu, sqq, o);
-    skk += __shfl_xor_sync(0xffffffffu, skk, o);
-    sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
-  }
-  const float sck = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
-  const float scq = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
-  const float scqk = sqk * sck * scq;
+  const QkScales sc = warp_qk_scales<1, LPR>(p, sqq, skk, sqk);
   // KDA: the per-channel decay folded into k and q. GDN: one decay per head, applied to the row
   // sums instead (the same value, 8 registers and 2 multiplies per channel fewer).
   float kd[CPL][E], qd[CPL][E];
@@ -997,8 +1006,8 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
       }
     }
     butterfly<H0, LPR / 4>(ak, aq, lane);
-    const float u_mine = beta * (vv[t] - ak[0] * (sum_decay * sck));
-    if (l % F == 0) store_f(p.out, p.dtype, o_at + t * BW + my_row, aq[0] * (sum_decay * scq) + u_mine * scqk);
+    const float u_mine = beta * (vv[t] - ak[0] * (sum_decay * sc.k));
+    if (l % F == 0) store_f(p.out, p.dtype, o_at + t * BW + my_row, aq[0] * (sum_decay * sc.q) + u_mine * sc.qk);
 
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
@@ -1007,7 +1016,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
     }
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
-      const float us = sck * __shfl_sync(0xffffffffu, u_mine, r * LPR + j * F);
+      const float us = sc.k * __shfl_sync(0xffffffffu, u_mine, r * LPR + j * F);
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
         float x[E];
@@ -1091,6 +1100,10 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
+// The SM count the warp launch rules scale their thresholds by (the probe always fills it; the
+// H100's 132, the GPU they were measured on, otherwise).
+inline int64_t rule_sms(const GdnDecodeParams& p) { return p.sm_count > 0 ? p.sm_count : 132; }
+
 // Which build a launch of `pairs` (request, value head) pairs takes, from the sweep of every shape
 // (benchmarks/warp_sweep.cu, H100, K = V = 128; results in benchmarks/results-h100-kernel.md).
 // Small batches are latency: short tiles, many warps, each with little dependent work. From a few
@@ -1105,7 +1118,7 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
 template <int K, typename ST>
 int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (K == 128) {
-    const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
+    const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
     if constexpr (std::is_same_v<ST, float>) {
       // H100, us per step: B=1 2.7, B=8 12.3, B=32 48.1, B=128 185.2, B=1024 1464
       if (pairs <= sms) return launch_vk_warp_rows<K, ST, 4>(p, stream);
@@ -1242,15 +1255,7 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
     sqk += qv[j] * kv[j];
   }
   // Each row group's lanes hold the same sums: add across the groups only.
-#pragma unroll
-  for (int o = CPR; o < 32; o <<= 1) {
-    sqq += __shfl_xor_sync(0xffffffffu, sqq, o);
-    skk += __shfl_xor_sync(0xffffffffu, skk, o);
-    sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
-  }
-  const float sck = p.use_qk_l2norm ? rsqrtf(skk + 1e-6f) : 1.f;
-  const float scq = (p.use_qk_l2norm ? rsqrtf(sqq + 1e-6f) : 1.f) * p.scale;
-  const float scqk = sqk * sck * scq;
+  const QkScales sc = warp_qk_scales<CPR, 32>(p, sqq, skk, sqk);
   if constexpr (PER_CHANNEL) {
 #pragma unroll
     for (int j = 0; j < NR; ++j) qv[j] *= decay[j];
@@ -1279,12 +1284,12 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
   float u[NF];
 #pragma unroll
   for (int f = 0; f < NF; ++f) {
-    u[f] = beta * (vv[f] - pk[f] * (sum_decay * sck));
-    if (lane == kv_holder<E, CPR>(c, m0)) store_f(p.out, p.dtype, o_at + m0 + f, pq[f] * (sum_decay * scq) + u[f] * scqk);
+    u[f] = beta * (vv[f] - pk[f] * (sum_decay * sc.k));
+    if (lane == kv_holder<E, CPR>(c, m0)) store_f(p.out, p.dtype, o_at + m0 + f, pq[f] * (sum_decay * sc.q) + u[f] * sc.qk);
   }
   float us[E];
 #pragma unroll
-  for (int m = 0; m < E; ++m) us[m] = sck * __shfl_sync(0xffffffffu, u[m % NF], kv_holder<E, CPR>(c, m - m % NF));
+  for (int m = 0; m < E; ++m) us[m] = sc.k * __shfl_sync(0xffffffffu, u[m % NF], kv_holder<E, CPR>(c, m - m % NF));
 #pragma unroll
   for (int j = 0; j < NR; ++j) opaque(s[j]);
   // The row stride is a run-time value: hidden here, so the store addresses are stepped from S
@@ -1430,7 +1435,7 @@ int launch_k(const GdnDecodeParams& p, Variant v, cudaStream_t stream) {
 // K = 128 only, as for vk.
 template <int K, typename ST>
 int launch_kv_warp(const GdnDecodeParams& p, cudaStream_t stream) {
-  const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
+  const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
   GdnDecodeParams small = p;
   small.pdl = p.pdl && pairs * (p.V / KvWarpShape<K, ST, 4>::BW) <= 4 * sms;
   if constexpr (K == 128 && std::is_same_v<ST, float>) {
