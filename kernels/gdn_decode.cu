@@ -62,13 +62,6 @@ constexpr Load load_of(Variant v) {
 }
 
 // --- run-time dtypes: one uniform branch per element, cheaper than another set of kernels ------
-__device__ __forceinline__ float load_f(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
 __device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float x) {
   switch (t) {
     case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
@@ -95,6 +88,9 @@ __device__ __forceinline__ float widen_bits(uint32_t b, DType t) {
   const float h = __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
   return t == DType::kFloat32 ? __uint_as_float(b) : t == DType::kBFloat16 ? __uint_as_float(b << 16) : h;
 }
+
+// Load and widen at once, where nothing else is in flight to wait with (the block kernels).
+__device__ __forceinline__ float load_f(const void* p, DType t, int64_t i) { return widen_bits(load_bits(p, t, i), t); }
 
 // E consecutive elements' bits: vector loads where aligned (fp32: one word an element; 16-bit dtypes:
 // two), else one load each (one element a word).
@@ -297,17 +293,11 @@ __device__ __forceinline__ float warp_sum(float x) {
 // rounds to 1 (x < -17) softplus gives 0 instead of e^x < 4e-8.
 __device__ __forceinline__ float softplus20(float x) { return x > 20.f ? x : __logf(1.f + __expf(x)); }
 
-// Log-decay of (n, hv) (channel < 0) or of one key channel: the precomputed g, or the raw gate.
-__device__ __forceinline__ float log_decay(const GdnDecodeParams& p, int64_t n, int64_t hv, int channel) {
-  const int64_t at = n * p.g_stride_n + hv * p.g_stride_h + (channel >= 0 ? channel : 0);
-  const float x = load_f(p.g, p.g_dtype, at);
-  if (!p.gate_raw) return x;
-  const float bias = load_f(p.dt_bias, p.dt_bias_dtype, channel >= 0 ? hv * p.K + channel : hv);
-  return -__expf(load_f(p.A_log, p.A_log_dtype, hv)) * softplus20(x + bias);
-}
-
-// The same two gates in two phases (the warp kernels): the bits of their inputs, then the value.
-// A_log is one per head (a_log_bits: 0 with precomputed gates).
+// The gates in two phases: the bits of their inputs, then the value. The warp kernels issue the
+// loads of every input of the step before they widen any (load_bits); the block kernels take both
+// phases at once (log_decay, load_beta below). The decay is exp of the log-decay: the precomputed g,
+// or -exp(A_log) * softplus(a + dt_bias) of the raw gate, per head (channel < 0) or per key channel
+// (KDA). A_log is one per head (a_log_bits: 0 with precomputed gates).
 struct DecayBits {
   uint32_t x, bias;
 };
@@ -333,9 +323,11 @@ __device__ __forceinline__ float beta_of(const GdnDecodeParams& p, uint32_t bits
   return p.beta_raw ? __frcp_rn(1.f + __expf(-x)) : x;
 }
 
+__device__ __forceinline__ float log_decay(const GdnDecodeParams& p, int64_t n, int64_t hv, int channel) {
+  return log_decay_of(p, load_decay_bits(p, n, hv, channel), load_a_log_bits(p, hv));
+}
 __device__ __forceinline__ float load_beta(const GdnDecodeParams& p, int64_t n, int64_t hv) {
-  const float x = load_f(p.beta, p.beta_dtype, n * p.beta_stride_n + hv * p.beta_stride_h);
-  return p.beta_raw ? __frcp_rn(1.f + __expf(-x)) : x;
+  return beta_of(p, load_beta_bits(p, n, hv));
 }
 
 // q and k of head h to shared memory as float, with the three dot products the step needs
