@@ -1,19 +1,24 @@
-"""Decode-step speed of cudelta (auto and each variant) beside vLLM's packed decode kernel,
+"""Decode-step speed of cudelta (auto and each variant) beside vLLM's packed decode kernels,
 flash-linear-attention 0.6 and a device copy, in one process, one table per run.
 
     python benchmarks/fetch_vllm_ops.py            # once, on a machine with PyPI: vLLM's fla ops to .peers/
     python benchmarks/kernel_bench.py [--batches 1 4 8 32 128 256 1024] [--quick] [--variants auto warp ...]
                                       [--states float32 bfloat16] [--out DIR]
 
-Each row is one configuration: model shape (Qwen3-Next: H=16, HV=32; Kimi-Linear: H=HV=32; K=V=128),
-state dtype, layout, and gates (raw a/b fused into the kernel, or precomputed g/beta). Inputs are
+Each row is one configuration: op (gdn: Gated DeltaNet, one decay per head; kda: Kimi Delta
+Attention, one decay per key channel, what Kimi-Linear runs), model shape (Qwen3-Next: H=16, HV=32;
+Kimi-Linear: H=HV=32; K=V=128), state dtype, layout, and gates (raw a/b fused into the kernel, or
+precomputed g/beta). Inputs are
 what an engine holds: q, k, v sliced out of one packed bf16 projection row, a and b bf16 views,
 A_log and dt_bias float32, the state pool updated in place at slots that change every call (the
 pool far exceeds L2). Times are per call: a CUDA graph of 50 calls, best of 5 replays; eager is
 `triton.testing.do_bench` (median) of the public Python call. Bytes = state read + write + q, k,
 v, o; "% copy" compares with a device-to-device copy of the same state bytes.
 
-vLLM's kernel takes only its own setting (vk layout, raw gates), so it is timed on those rows; fla
+vLLM's kernels take only their own setting (vk layout, raw gates), so they are timed on those rows
+(gdn: the Qwen3-Next packed decode; kda: the packed decode of vllm/models/kimi_k3); before timing,
+each is run once on a copy of the pool beside cudelta, and the largest differences of the output
+and of the updated state are printed under the table (the two must compute the same step). fla
 0.6 keeps [N, HV, K, V] states and takes precomputed gates, so it runs on kv/pre rows (gathering
 and scattering the pool around its call is NOT counted: it is timed on a dense batch of states).
 """
@@ -78,7 +83,10 @@ def load_peers():
     try:
         from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
 
-        peers["vllm"] = fused_recurrent_gated_delta_rule_packed_decode
+        peers["vllm-gdn"] = fused_recurrent_gated_delta_rule_packed_decode
+        from vllm.models.kimi_k3.nvidia.ops.third_party.kda import fused_recurrent_kda_packed_decode
+
+        peers["vllm-kda"] = fused_recurrent_kda_packed_decode
     except ImportError as exc:
         print(f"kernel_bench: no vLLM ops ({exc}); run benchmarks/fetch_vllm_ops.py", file=sys.stderr)
     try:
@@ -90,7 +98,17 @@ def load_peers():
     return peers
 
 
-def bench_row(shape, state_dtype, layout, gates, B, variants, peers, eager: bool) -> dict:
+def max_diff(fn_a, fn_b, pool, idx, out) -> tuple[float, float]:
+    """Largest |difference| of the output and of the touched state slots, each fn run once on its own
+    copy of the pool (fn(pool, idx) -> output)."""
+    pa, pb = pool.clone(), pool.clone()
+    oa = fn_a(pa, idx).float().reshape(out.shape)
+    ob = fn_b(pb, idx).float().reshape(out.shape)
+    ds = (pa[idx.long()].float() - pb[idx.long()].float()).abs().max().item()
+    return (oa - ob).abs().max().item(), ds
+
+
+def bench_row(op, shape, state_dtype, layout, gates, B, variants, peers, eager: bool) -> dict:
     import cudelta
 
     H, HV = SHAPES[shape]
@@ -104,11 +122,13 @@ def bench_row(shape, state_dtype, layout, gates, B, variants, peers, eager: bool
     q = mixed[:, : H * K].view(B, H, K)
     k = mixed[:, H * K: 2 * H * K].view(B, H, K)
     v = mixed[:, 2 * H * K:].view(B, HV, V)
-    ab = torch.randn(B, 2 * HV, device=dev, dtype=torch.bfloat16, generator=gen)
-    a, b = ab[:, :HV], ab[:, HV:]
+    # The gates' channels: one per head (gdn), one per key channel (kda).
+    C = K if op == "kda" else 1
+    ab = torch.randn(B, HV * (C + 1), device=dev, dtype=torch.bfloat16, generator=gen)
+    a, b = ab[:, :HV * C].view(B, HV, C).squeeze(-1), ab[:, HV * C:]
     A_log = torch.randn(HV, device=dev, generator=gen) * 0.5
-    dt_bias = torch.randn(HV, device=dev, generator=gen)
-    g = -torch.rand(B, HV, device=dev, generator=gen)
+    dt_bias = torch.randn(HV, C, device=dev, generator=gen).squeeze(-1)
+    g = -torch.rand(B, HV, C, device=dev, generator=gen).squeeze(-1)
     beta = torch.rand(B, HV, device=dev, generator=gen)
     shape4 = (P, HV, K, V) if layout == "kv" else (P, HV, V, K)
     pool = (torch.randn(*shape4, device=dev, generator=gen) * 0.1).to(state_dtype)
@@ -116,7 +136,7 @@ def bench_row(shape, state_dtype, layout, gates, B, variants, peers, eager: bool
     idx = [perm[i * B:(i + 1) * B].contiguous() for i in range(sets)]
     out = torch.empty(B, HV, V, device=dev, dtype=torch.bfloat16)
     moved = 2 * B * state_bytes + 2 * (2 * B * H * K + 2 * B * HV * V)
-    row = {"shape": shape, "state": str(state_dtype).split(".")[-1], "layout": layout, "gates": gates, "B": B}
+    row = {"op": op, "shape": shape, "state": str(state_dtype).split(".")[-1], "layout": layout, "gates": gates, "B": B}
 
     src = pool[1: 1 + B * sets].view(sets, -1)
     dst = torch.empty_like(src)
@@ -127,23 +147,32 @@ def bench_row(shape, state_dtype, layout, gates, B, variants, peers, eager: bool
     else:
         gargs = (g, beta, None, None, None, None)
     lay = 0 if layout == "kv" else 1
+    native = torch.ops.cudelta.kda_decode if op == "kda" else torch.ops.cudelta.gdn_decode
     for name, vid in variants.items():
-        fn = lambda i, vid=vid: torch.ops.cudelta.gdn_decode(q, k, v, *gargs, pool, idx[i], out, K ** -0.5, True,
-                                                             lay, 1, vid)
+        fn = lambda i, vid=vid: native(q, k, v, *gargs, pool, idx[i], out, K ** -0.5, True, lay, 1, vid)
         row[name] = graph_us(fn, sets)
+    kw = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias) if gates == "raw" else {}
+    gg, bb = (None, None) if gates == "raw" else (g, beta)
+    public = cudelta.kda_decode if op == "kda" else cudelta.gdn_decode
+    call = lambda st, ix: public(q, k, v, gg, bb, st, ix, use_qk_l2norm=True, layout=layout,
+                                 invalid_slot="nonpositive", **kw, out=out)
     if eager:
-        kw = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias) if gates == "raw" else {}
-        gg, bb = (None, None) if gates == "raw" else (g, beta)
-        row["auto eager"] = eager_us(lambda i: cudelta.gdn_decode(q, k, v, gg, bb, pool, idx[i], use_qk_l2norm=True,
-                                                                  layout=layout, invalid_slot="nonpositive", **kw,
-                                                                  out=out), sets)
-    if "vllm" in peers and layout == "vk" and gates == "raw":
-        o4 = torch.empty(B, 1, HV, V, device=dev, dtype=torch.bfloat16)
-        fn = lambda i: peers["vllm"](mixed, a, b, A_log, dt_bias, K ** -0.5, pool, o4, idx[i], True)
+        row["auto eager"] = eager_us(lambda i: call(pool, idx[i]), sets)
+    vllm = peers.get(f"vllm-{op}")
+    if vllm is not None and layout == "vk" and gates == "raw":
+        o4 = torch.empty(1 if op == "kda" else B, B if op == "kda" else 1, HV, V, device=dev, dtype=torch.bfloat16)
+        if op == "kda":  # H == HV: vLLM's KDA decode has no grouped value heads
+            a4, b3, bias = a[None], b[None], dt_bias.reshape(-1)
+            peer = lambda st, ix: vllm(mixed, a4, b3, A_log, bias, None, st, ix, K ** -0.5, o4)[0]
+        else:
+            peer = lambda st, ix: vllm(mixed, a, b, A_log, dt_bias, K ** -0.5, st, o4, ix, True)[0]
+        row["vllm max|do|"], row["vllm max|dstate|"] = max_diff(call, peer, pool, idx[0], out)
+        fn = lambda i: peer(pool, idx[i])
         row["vllm"] = graph_us(fn, sets)
         if eager:
             row["vllm eager"] = eager_us(fn, sets)
-    if "fla" in peers and layout == "kv" and gates == "pre" and state_dtype == torch.float32 and B <= 256:
+    if "fla" in peers and op == "gdn" and layout == "kv" and gates == "pre" and state_dtype == torch.float32 \
+            and B <= 256:
         states = [torch.randn(B, HV, K, V, device=dev, generator=gen) * 0.1 for _ in range(min(sets, 4))]
         fla_sets = len(states)
         q4, k4, v4, g4, b4 = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
@@ -156,13 +185,13 @@ def bench_row(shape, state_dtype, layout, gates, B, variants, peers, eager: bool
 
 
 def render(rows, device, cols) -> str:
-    head = ["shape", "state", "layout", "gates", "B", "copy µs", *[f"{c} µs" for c in cols], "auto GB/s",
+    head = ["op", "shape", "state", "layout", "gates", "B", "copy µs", *[f"{c} µs" for c in cols], "auto GB/s",
             "auto % copy", "vLLM / auto"]
-    lines = [f"GDN decode step (K=V=128, bf16 q/k/v/o, pool in place), CUDA graph of {CALLS} calls, best of "
+    lines = [f"Decode step (K=V=128, bf16 q/k/v/o, pool in place), CUDA graph of {CALLS} calls, best of "
              f"{REPLAYS}; eager: do_bench median; {device}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["shape"], r["state"], r["layout"], r["gates"], str(r["B"]), f"{r['copy']:.1f}"]
+        cells = [r["op"], r["shape"], r["state"], r["layout"], r["gates"], str(r["B"]), f"{r['copy']:.1f}"]
         cells += [f"{r[c]:.1f}" if c in r else "" for c in cols]
         cells += [f"{r['GBps_auto']:.0f}", f"{r['pct_copy_auto']:.0f}%",
                   f"{r['vllm'] / r['auto']:.2f}x" if "vllm" in r else ""]
@@ -199,31 +228,38 @@ def main() -> int:
         except RuntimeError:
             pass
     peers = load_peers()
-    # (shape, state dtype, layout, gates, every variant?) — trimmed so one run stays under ~8 min:
+    # (op, shape, state dtype, layout, gates, every variant?) — trimmed so one run stays under ~8 min:
     # every variant on the engine setting, auto alone elsewhere.
-    configs = [("qwen3-next", torch.float32, "vk", "raw", True), ("qwen3-next", torch.bfloat16, "vk", "raw", True)]
+    f32, bf16 = torch.float32, torch.bfloat16
+    configs = [("gdn", "qwen3-next", f32, "vk", "raw", True), ("gdn", "qwen3-next", bf16, "vk", "raw", True)]
     if not args.quick:
-        configs += [("kimi-linear", torch.float32, "vk", "raw", False), ("kimi-linear", torch.bfloat16, "vk", "raw", False),
-                    ("qwen3-next", torch.float32, "kv", "pre", True), ("qwen3-next", torch.bfloat16, "kv", "raw", False),
-                    ("qwen3-next", torch.float32, "vk", "pre", False)]
+        configs += [("kda", "kimi-linear", f32, "vk", "raw", False), ("kda", "kimi-linear", bf16, "vk", "raw", False),
+                    ("gdn", "kimi-linear", f32, "vk", "raw", False), ("gdn", "kimi-linear", bf16, "vk", "raw", False),
+                    ("gdn", "qwen3-next", f32, "kv", "pre", True), ("gdn", "qwen3-next", bf16, "kv", "raw", False),
+                    ("kda", "kimi-linear", f32, "kv", "pre", False), ("gdn", "qwen3-next", f32, "vk", "pre", False)]
     if args.states:
-        configs = [c for c in configs if str(c[1]).split(".")[-1] in args.states]
+        configs = [c for c in configs if str(c[2]).split(".")[-1] in args.states]
     rows = []
-    for shape, sd, layout, gates, all_variants in configs:
+    for op, shape, sd, layout, gates, all_variants in configs:
         vs = variants if all_variants else {"auto": -1}
         for B in args.batches:
-            rows.append(bench_row(shape, sd, layout, gates, B, vs, peers, eager=B in (1, 256)))
+            rows.append(bench_row(op, shape, sd, layout, gates, B, vs, peers, eager=B in (1, 256)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     cols = list(variants) + ["vllm", "fla", "auto eager", "vllm eager"]
     cols = [c for c in cols if any(c in r for r in rows)]
     device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     table = render(rows, device, cols)
     # bf16 vs fp32 state at the same setting, for the >= 1.8x target
-    by = {(r["shape"], r["layout"], r["gates"], r["B"], r["state"]): r["auto"] for r in rows}
-    ratios = [f"B={k[3]} {k[0]} {k[1]}/{k[2]}: {by[k] / by[k[:4] + ('bfloat16',)]:.2f}x"
-              for k in by if k[4] == "float32" and k[:4] + ("bfloat16",) in by and k[3] >= 256]
+    by = {(r["op"], r["shape"], r["layout"], r["gates"], r["B"], r["state"]): r["auto"] for r in rows}
+    ratios = [f"B={k[4]} {k[0]} {k[1]} {k[2]}/{k[3]}: {by[k] / by[k[:5] + ('bfloat16',)]:.2f}x"
+              for k in by if k[5] == "float32" and k[:5] + ("bfloat16",) in by and k[4] >= 256]
     if ratios:
         table += "\n\nbf16 state speed-up over fp32 (auto): " + "; ".join(ratios)
+    agree = [f"{r['op']} {r['shape']} {r['state']} B={r['B']}: {r['vllm max|do|']:.1e} / {r['vllm max|dstate|']:.1e}"
+             for r in rows if "vllm max|do|" in r]
+    if agree:
+        table += ("\n\ncudelta vs vLLM on the same inputs, max |output difference| / max |state difference| "
+                  "(bf16 output): " + "; ".join(agree))
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
