@@ -1,13 +1,14 @@
 // The launch shapes of the `warp` kernels, swept on one GPU without torch. Layout vk: rows per
 // tile, tiles per warp, persistent grid or not; layout kv: 16-byte column chunks per tile; each
 // with programmatic dependent launch off and on, for fp32 and bf16 state, Qwen3-Next heads (H=16,
-// HV=32, K=V=128), raw gates, bf16 q/k/v sliced from one packed row, the pool updated in place at
+// HV=32, K=V=128) or with `kda` Kimi-Linear's (H=HV=32, one raw gate per key channel: a [N,HV,K],
+// dt_bias [HV,K]), raw gates, bf16 q/k/v sliced from one packed row, the pool updated in place at
 // slots that change every call (as benchmarks/kernel_bench.py: a CUDA graph of 50 calls, best of 5
 // replays). This is how the launch rules in kernels/gdn_decode.cu (launch_vk_warp,
 // launch_kv_warp) were chosen; kernel_bench.py, through torch, is the comparison with vLLM and fla.
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-//        -o warp_sweep benchmarks/warp_sweep.cu && ./warp_sweep [vk|kv] [B ...]
+//        -o warp_sweep benchmarks/warp_sweep.cu && ./warp_sweep [vk|kv] [kda] [B ...]
 //
 // Each configuration is first checked on the same inputs against a reference launch (vk: the
 // product's warp launch; kv: the generic block kernel, another kernel), three steps without PDL:
@@ -40,7 +41,7 @@ namespace {
 using cudelta::GdnDecodeParams;
 using cudelta::DType;
 
-constexpr int H = 16, HV = 32, K = 128, V = 128, CALLS = 50, REPLAYS = 5;
+constexpr int HV = 32, K = 128, V = 128, CALLS = 50, REPLAYS = 5;
 
 using Launch = int (*)(const GdnDecodeParams&, cudaStream_t);
 
@@ -158,10 +159,14 @@ int main(int argc, char** argv) {
   std::vector<int> batches = {1, 2, 4, 8, 16, 32, 64, 128, 256, 1024};
   int first = 1;
   bool vk = true;
-  if (argc > 1 && (std::strcmp(argv[1], "vk") == 0 || std::strcmp(argv[1], "kv") == 0)) {
-    vk = argv[1][0] == 'v';
-    first = 2;
+  if (argc > first && (std::strcmp(argv[first], "vk") == 0 || std::strcmp(argv[first], "kv") == 0)) {
+    vk = argv[first][0] == 'v';
+    ++first;
   }
+  const bool kda = argc > first && std::strcmp(argv[first], "kda") == 0;
+  if (kda) ++first;
+  // Gate channels per value head: one (GDN) or one per key channel (KDA).
+  const int H = kda ? HV : 16, C = kda ? K : 1;
   if (argc > first) {
     batches.clear();
     for (int i = first; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
@@ -189,9 +194,11 @@ int main(int argc, char** argv) {
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.f, 1.f);
 
-  std::printf("%s warp kernel launch sweep, %s, %d SMs; Qwen3-Next heads, K=V=128, raw gates, bf16 q/k/v; "
+  std::printf("%s warp kernel launch sweep, %s, %d SMs; %s, K=V=128, raw gates, bf16 q/k/v; "
               "graph of %d calls, best of %d (us per call); pdl = programmatic dependent launch\n\n",
-              vk ? "vk" : "kv", prop.name, sms, CALLS, REPLAYS);
+              vk ? "vk" : "kv", prop.name, sms,
+              kda ? "KDA, Kimi-Linear heads (H=HV=32), a gate per key channel" : "GDN, Qwen3-Next heads (H=16, HV=32)",
+              CALLS, REPLAYS);
   std::printf("| state | B | copy |");
   for (const auto& c : configs) std::printf(" %s | %s+pdl |", c.name.c_str(), c.name.c_str());
   if (!vk) std::printf(" generic | generic+pdl |");
@@ -206,7 +213,7 @@ int main(int argc, char** argv) {
       const int sets = std::max(2, std::min(16, int(std::ceil(512.0 * (1 << 20) / (double(B) * state_elems * es)))));
       const int P = B * sets + 1;
       const size_t W = 2 * H * K + HV * V;
-      std::vector<float> mixed(size_t(B) * W), ab(size_t(B) * 2 * HV), A_log(HV), dt_bias(HV);
+      std::vector<float> mixed(size_t(B) * W), ab(size_t(B) * HV * (C + 1)), A_log(HV), dt_bias(size_t(HV) * C);
       for (auto& x : mixed) x = nd(rng);
       for (auto& x : ab) x = nd(rng);
       for (auto& x : A_log) x = 0.5f * nd(rng);
@@ -249,16 +256,17 @@ int main(int argc, char** argv) {
       p.qk_aligned = true;
       p.g = d_ab;
       p.g_dtype = DType::kBFloat16;
-      p.g_stride_n = 2 * HV;
-      p.g_stride_h = 1;
+      p.g_stride_n = HV * (C + 1);
+      p.g_stride_h = C;
+      p.g_per_channel = kda;
       p.gate_raw = true;
       p.A_log = d_A;
       p.A_log_dtype = DType::kFloat32;
       p.dt_bias = d_dt;
       p.dt_bias_dtype = DType::kFloat32;
-      p.beta = d_ab + HV;
+      p.beta = d_ab + HV * C;
       p.beta_dtype = DType::kBFloat16;
-      p.beta_stride_n = 2 * HV;
+      p.beta_stride_n = HV * (C + 1);
       p.beta_stride_h = 1;
       p.beta_raw = true;
       p.state = pool;

@@ -84,9 +84,26 @@ __device__ __forceinline__ uint32_t load_bits(const void* p, DType t, int64_t i)
   else b = static_cast<const uint16_t*>(p)[i];
   return b;
 }
+// N elements' bits to float, one dtype branch for all of them. The compiler turns a dtype choice
+// into a branch even when written as selects; taken per element, those branches kept it from
+// interleaving the elements' math (ncu, KDA's per-channel gates: one channel after the other).
+template <int N>
+__device__ __forceinline__ void widen_all(const uint32_t* b, DType t, float* x) {
+  if (t == DType::kFloat32) {
+#pragma unroll
+    for (int m = 0; m < N; ++m) x[m] = __uint_as_float(b[m]);
+  } else if (t == DType::kBFloat16) {
+#pragma unroll
+    for (int m = 0; m < N; ++m) x[m] = __uint_as_float(b[m] << 16);
+  } else {
+#pragma unroll
+    for (int m = 0; m < N; ++m) x[m] = __half2float(__ushort_as_half(static_cast<unsigned short>(b[m])));
+  }
+}
 __device__ __forceinline__ float widen_bits(uint32_t b, DType t) {
-  const float h = __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-  return t == DType::kFloat32 ? __uint_as_float(b) : t == DType::kBFloat16 ? __uint_as_float(b << 16) : h;
+  float x;
+  widen_all<1>(&b, t, &x);
+  return x;
 }
 
 // Load and widen at once, where nothing else is in flight to wait with (the block kernels).
@@ -291,7 +308,17 @@ __device__ __forceinline__ float warp_sum(float x) {
 // The fast intrinsics (as vLLM's Triton kernel): about 60 instructions fewer per tile than the
 // IEEE expf/log1pf/division, within 1e-6 relative of them over the gates' range; where 1 + e^x
 // rounds to 1 (x < -17) softplus gives 0 instead of e^x < 4e-8.
-__device__ __forceinline__ float softplus20(float x) { return x > 20.f ? x : __logf(1.f + __expf(x)); }
+// Branch-free, so the gates of several channels interleave: written as `x > 20 ? x : log(1 + e^x)`
+// the compiler moves the exponential and the log into a branch of their own per channel (SASS of
+// the KDA warp kernels: eight of them in a row). The select is asm so it must have both values.
+__device__ __forceinline__ float softplus20(float x) {
+  const float soft = __logf(1.f + __expf(fminf(x, 20.f)));
+  float y;
+  asm("{\n\t.reg .pred big;\n\tsetp.gt.f32 big, %1, 0f41A00000;\n\tselp.f32 %0, %1, %2, big;\n\t}"
+      : "=f"(y)
+      : "f"(x), "f"(soft));
+  return y;
+}
 
 // The gates in two phases: the bits of their inputs, then the value. The warp kernels issue the
 // loads of every input of the step before they widen any (load_bits); the block kernels take both
@@ -310,10 +337,28 @@ __device__ __forceinline__ DecayBits load_decay_bits(const GdnDecodeParams& p, i
 __device__ __forceinline__ uint32_t load_a_log_bits(const GdnDecodeParams& p, int64_t hv) {
   return p.gate_raw ? load_bits(p.A_log, p.A_log_dtype, hv) : 0u;
 }
+// The log-decays of N gates of one head (its key channels, for KDA), straight-line over N.
+template <int N>
+__device__ __forceinline__ void log_decays(const GdnDecodeParams& p, const DecayBits* b, uint32_t a_log_bits,
+                                           float* out) {
+  uint32_t xb[N], bb[N];
+#pragma unroll
+  for (int m = 0; m < N; ++m) {
+    xb[m] = b[m].x;
+    bb[m] = b[m].bias;
+  }
+  widen_all<N>(xb, p.g_dtype, out);
+  if (!p.gate_raw) return;
+  float bias[N];
+  widen_all<N>(bb, p.dt_bias_dtype, bias);
+  const float neg_a = -__expf(widen_bits(a_log_bits, p.A_log_dtype));
+#pragma unroll
+  for (int m = 0; m < N; ++m) out[m] = neg_a * softplus20(out[m] + bias[m]);
+}
 __device__ __forceinline__ float log_decay_of(const GdnDecodeParams& p, const DecayBits& b, uint32_t a_log_bits) {
-  const float x = widen_bits(b.x, p.g_dtype);
-  if (!p.gate_raw) return x;
-  return -__expf(widen_bits(a_log_bits, p.A_log_dtype)) * softplus20(x + widen_bits(b.bias, p.dt_bias_dtype));
+  float x;
+  log_decays<1>(p, &b, a_log_bits, &x);
+  return x;
 }
 __device__ __forceinline__ uint32_t load_beta_bits(const GdnDecodeParams& p, int64_t n, int64_t hv) {
   return load_bits(p.beta, p.beta_dtype, n * p.beta_stride_n + hv * p.beta_stride_h);
@@ -699,10 +744,18 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
   // The thread's k channels are the same in every pass: their decays live in registers.
   float decay[CPL][E];
   if constexpr (PER_CHANNEL) {
+    DecayBits d_bits[CPL * E];
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
 #pragma unroll
-      for (int m = 0; m < E; ++m) decay[i][m] = __expf(log_decay(p, site.n, site.hv, E * (l * CPL + i) + m));
+      for (int m = 0; m < E; ++m) d_bits[i * E + m] = load_decay_bits(p, site.n, site.hv, E * (l * CPL + i) + m);
+    }
+    float ld[CPL * E];
+    log_decays<CPL * E>(p, d_bits, load_a_log_bits(p, site.hv), ld);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+      for (int m = 0; m < E; ++m) decay[i][m] = __expf(ld[i * E + m]);
     }
   } else {
     const float d = __expf(log_decay(p, site.n, site.hv, -1));
@@ -927,10 +980,12 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
     widen_run<E>(k_bits[i], p.dtype, p.qk_aligned, kv[i]);
   }
   if constexpr (PER_CHANNEL) {
+    float ld[CPL * E];
+    log_decays<CPL * E>(p, d_bits, a_log_bits, ld);
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
 #pragma unroll
-      for (int m = 0; m < E; ++m) decay[i][m] = __expf(log_decay_of(p, d_bits[i * E + m], a_log_bits));
+      for (int m = 0; m < E; ++m) decay[i][m] = __expf(ld[i * E + m]);
     }
   } else {
     const float d = __expf(log_decay_of(p, d_bits[0], a_log_bits));
@@ -1219,9 +1274,19 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
     q_bits[i] = load_run_bits<RUN>(p.q, p.dtype, qo + RUN * i, p.qk_aligned);
     k_bits[i] = load_run_bits<RUN>(p.k, p.dtype, ko + RUN * i, p.qk_aligned);
   }
-  // KDA's NR per-channel gates are read after q and k are widened (below): their bits beside the
-  // q and k bits and a 32-row fp32 tile spilled.
-  const DecayBits d_bits = load_decay_bits(p, n, hv, -1);
+  // KDA: the lane's NR rows are key channels with a gate each, the same for the CPR lanes of a row
+  // group. The warp shares them out instead: lane L reads and computes channels L * G .. L * G + G - 1
+  // (G = K / 32), and each lane fetches its rows' decays by shuffle. Per lane that is G loads beside
+  // the tile instead of NR (their bits spilled a 32-row fp32 tile) and G gate formulas instead of NR.
+  constexpr int G = K / 32;
+  static_assert(!PER_CHANNEL || NR % G == 0, "a lane's rows start at a multiple of G");
+  DecayBits d_bits[PER_CHANNEL ? G : 1];
+  if constexpr (PER_CHANNEL) {
+#pragma unroll
+    for (int i = 0; i < G; ++i) d_bits[i] = load_decay_bits(p, n, hv, lane * G + i);
+  } else {
+    d_bits[0] = load_decay_bits(p, n, hv, -1);
+  }
   const uint32_t a_log_bits = load_a_log_bits(p, hv), beta_bits = load_beta_bits(p, n, hv);
 
   float vv[NF], qv[NR], kv[NR], decay[PER_CHANNEL ? NR : 1];
@@ -1233,10 +1298,14 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
     widen_run<RUN>(k_bits[i], p.dtype, p.qk_aligned, kv + RUN * i);
   }
   if constexpr (PER_CHANNEL) {
+    float mine[G];
+    log_decays<G>(p, d_bits, a_log_bits, mine);
 #pragma unroll
-    for (int j = 0; j < NR; ++j) decay[j] = __expf(log_decay(p, n, hv, r * NR + j));
+    for (int i = 0; i < G; ++i) mine[i] = __expf(mine[i]);
+#pragma unroll
+    for (int j = 0; j < NR; ++j) decay[j] = __shfl_sync(0xffffffffu, mine[j % G], (r * NR + j) / G);
   } else {
-    decay[0] = __expf(log_decay_of(p, d_bits, a_log_bits));
+    decay[0] = __expf(log_decay_of(p, d_bits[0], a_log_bits));
   }
   const float beta = beta_of(p, beta_bits);
   float sqq = 0.f, skk = 0.f, sqk = 0.f;
