@@ -1152,10 +1152,12 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
 inline int64_t rule_sms(const GdnDecodeParams& p) { return p.sm_count > 0 ? p.sm_count : 132; }
 
 // Which build a launch of `pairs` (request, value head) pairs takes, from the sweep of every shape
-// (benchmarks/warp_sweep.cu, H100, K = V = 128; results in benchmarks/results-h100-kernel.md).
+// (benchmarks/warp_sweep.cu, H100, K = V = 128; results in benchmarks/results-h100-kernel.md;
+// checked on an H200, same SM count, 1.2x the memory bandwidth).
 // Small batches are latency: short tiles, many warps, each with little dependent work. From a few
-// pairs per SM the bytes in flight per warp decide: fp32 two 8-row tiles per warp, then 32-row
-// tiles at B=1024; bf16 16-row tiles. At mid batches (a few to 64 pairs per SM) the evict-first
+// pairs per SM the bytes in flight per warp decide: fp32 two 8-row tiles per warp, then one 8-row
+// tile from 16 pairs per SM (on the H200 the fastest build there, 1.0-1.9% ahead of two 8-row
+// tiles and of 32-row tiles at B=1024; on the H100 within 0.1-0.5% of them); bf16 16-row tiles. At mid batches (a few to 64 pairs per SM) the evict-first
 // state (STREAM) gained 1-7%; it lost at B=1 (where the benchmark's state stays in L2 between
 // steps) and at B >= 256 (fp32) or 512 (bf16). Programmatic dependent launch (where the params
 // allow it) gained 0.1-0.7 us per step on every build chosen here. The persistent grid (PERSIST)
@@ -1167,11 +1169,11 @@ int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (K == 128) {
     const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
     if constexpr (std::is_same_v<ST, float>) {
-      // H100, us per step: B=1 2.7, B=8 12.3, B=32 48.1, B=128 185.2, B=1024 1464
+      // us per step, H100 / H200: B=1 2.7 / 2.5, B=8 12.3 / 9.9, B=32 47.8 / 36.3, B=128 185.7 / 135.8,
+      // B=1024 1464.8 / 1063.8
       if (pairs <= sms) return launch_vk_warp_rows<K, ST, 4>(p, stream);
       if (pairs <= 16 * sms) return launch_vk_warp_rows<K, ST, 8, 2, false, true>(p, stream);
-      if (pairs <= 64 * sms) return launch_vk_warp_rows<K, ST, 8, 2>(p, stream);
-      return launch_vk_warp_rows<K, ST, 32>(p, stream);
+      return launch_vk_warp_rows<K, ST, 8>(p, stream);
     } else {
       // H100, us per step: B=1 2.4, B=8 7.6, B=32 26.5, B=128 96.5, B=1024 746
       if (pairs <= sms / 2) return launch_vk_warp_rows<K, ST, 8>(p, stream);

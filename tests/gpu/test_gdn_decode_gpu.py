@@ -157,8 +157,8 @@ def test_io_dtypes_and_head_groups(name, variant, dtype, H, HV, l2norm):
 
 # Batches at Qwen3-Next's head counts that reach every build of the warp variant for K = V = 128
 # (kernels/gdn_decode.cu launch_vk_warp and launch_kv_warp, up to 132 SMs), with and without the
-# evict-first state. vk fp32: 4-row tiles (N=2), two 8-row tiles per warp (12, 37 evict-first; 100),
-# 32-row tiles (300); bf16: 8-row (2), 16-row (12, 37, 100 evict-first; 300). kv fp32: 4 column
+# evict-first state. vk fp32: 4-row tiles (N=2), two 8-row tiles per warp (12, 37 evict-first),
+# 8-row tiles (100, 300); bf16: 8-row (2), 16-row (12, 37, 100 evict-first; 300). kv fp32: 4 column
 # chunks (2), 8 chunks in 2-warp blocks (12, 37 evict-first; 100, 300); bf16: 4 chunks (2; 12
 # evict-first), in 4-warp blocks (37, 100, 300). Programmatic dependent launch on and off in
 # between. Other head dims have one build; kv with K = 256 runs generic, K = 128 with V = 64 no
