@@ -61,7 +61,7 @@ constexpr Load load_of(Variant v) {
   return v == Variant::kSm80 ? Load::kCpAsync : v == Variant::kSm90Tma ? Load::kBulk : Load::kRegisters;
 }
 
-// --- run-time dtypes: one uniform branch per element, cheaper than another set of kernels ------
+// --- run-time dtypes: a uniform branch on the dtype, cheaper than another set of kernels -------
 __device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float x) {
   switch (t) {
     case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
@@ -1157,10 +1157,11 @@ inline int64_t rule_sms(const GdnDecodeParams& p) { return p.sm_count > 0 ? p.sm
 // Small batches are latency: short tiles, many warps, each with little dependent work. From a few
 // pairs per SM the bytes in flight per warp decide: fp32 two 8-row tiles per warp, then one 8-row
 // tile from 16 pairs per SM (on the H200 the fastest build there, 1.0-1.9% ahead of two 8-row
-// tiles and of 32-row tiles at B=1024; on the H100 within 0.1-0.5% of them); bf16 16-row tiles. At mid batches (a few to 64 pairs per SM) the evict-first
-// state (STREAM) gained 1-7%; it lost at B=1 (where the benchmark's state stays in L2 between
-// steps) and at B >= 256 (fp32) or 512 (bf16). Programmatic dependent launch (where the params
-// allow it) gained 0.1-0.7 us per step on every build chosen here. The persistent grid (PERSIST)
+// tiles and of 32-row tiles at B=1024; on the H100 within 0.1-0.5% of them); bf16 16-row tiles.
+// At mid batches (a few to 64 pairs per SM) the evict-first state (STREAM) gained 1-7%; it lost
+// at B=1 (where the benchmark's state stays in L2 between steps) and at B >= 256 (fp32) or 512
+// (bf16). Programmatic dependent launch (where the params allow it) gained 0.1-0.7 us per step on
+// every build chosen here. The persistent grid (PERSIST)
 // and the 32-row bf16 builds stay in the sweep: since the loads are issued before any is used
 // (load_bits), 16-row bf16 tiles are as fast or faster from B=4 (B=32 26.5 us against 27.0).
 // The extra builds are for K = 128 only (Qwen3-Next, Kimi-Linear): each costs release compile time.
