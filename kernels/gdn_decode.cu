@@ -322,7 +322,7 @@ __device__ __forceinline__ float softplus20(float x) {
 
 // The gates in two phases: the bits of their inputs, then the value. The warp kernels issue the
 // loads of every input of the step before they widen any (load_bits); the block kernels take both
-// phases at once (log_decay, load_beta below). The decay is exp of the log-decay: the precomputed g,
+// phases at once (load_decay, load_beta below). The decay is exp of the log-decay: the precomputed g,
 // or -exp(A_log) * softplus(a + dt_bias) of the raw gate, per head (channel < 0) or per key channel
 // (KDA). A_log is one per head (a_log_bits: 0 with precomputed gates).
 struct DecayBits {
@@ -337,28 +337,30 @@ __device__ __forceinline__ DecayBits load_decay_bits(const GdnDecodeParams& p, i
 __device__ __forceinline__ uint32_t load_a_log_bits(const GdnDecodeParams& p, int64_t hv) {
   return p.gate_raw ? load_bits(p.A_log, p.A_log_dtype, hv) : 0u;
 }
-// The log-decays of N gates of one head (its key channels, for KDA), straight-line over N.
+// The decays of N gates of one head (its key channels, for KDA), straight-line over N.
 template <int N>
-__device__ __forceinline__ void log_decays(const GdnDecodeParams& p, const DecayBits* b, uint32_t a_log_bits,
-                                           float* out) {
+__device__ __forceinline__ void decays(const GdnDecodeParams& p, const DecayBits* b, uint32_t a_log_bits, float* out) {
   uint32_t xb[N], bb[N];
 #pragma unroll
   for (int m = 0; m < N; ++m) {
     xb[m] = b[m].x;
     bb[m] = b[m].bias;
   }
-  widen_all<N>(xb, p.g_dtype, out);
-  if (!p.gate_raw) return;
-  float bias[N];
-  widen_all<N>(bb, p.dt_bias_dtype, bias);
-  const float neg_a = -__expf(widen_bits(a_log_bits, p.A_log_dtype));
+  widen_all<N>(xb, p.g_dtype, out);  // the log-decays
+  if (p.gate_raw) {
+    float bias[N];
+    widen_all<N>(bb, p.dt_bias_dtype, bias);
+    const float neg_a = -__expf(widen_bits(a_log_bits, p.A_log_dtype));
 #pragma unroll
-  for (int m = 0; m < N; ++m) out[m] = neg_a * softplus20(out[m] + bias[m]);
+    for (int m = 0; m < N; ++m) out[m] = neg_a * softplus20(out[m] + bias[m]);
+  }
+#pragma unroll
+  for (int m = 0; m < N; ++m) out[m] = __expf(out[m]);
 }
-__device__ __forceinline__ float log_decay_of(const GdnDecodeParams& p, const DecayBits& b, uint32_t a_log_bits) {
-  float x;
-  log_decays<1>(p, &b, a_log_bits, &x);
-  return x;
+__device__ __forceinline__ float decay_of(const GdnDecodeParams& p, const DecayBits& b, uint32_t a_log_bits) {
+  float d;
+  decays<1>(p, &b, a_log_bits, &d);
+  return d;
 }
 __device__ __forceinline__ uint32_t load_beta_bits(const GdnDecodeParams& p, int64_t n, int64_t hv) {
   return load_bits(p.beta, p.beta_dtype, n * p.beta_stride_n + hv * p.beta_stride_h);
@@ -368,8 +370,8 @@ __device__ __forceinline__ float beta_of(const GdnDecodeParams& p, uint32_t bits
   return p.beta_raw ? __frcp_rn(1.f + __expf(-x)) : x;
 }
 
-__device__ __forceinline__ float log_decay(const GdnDecodeParams& p, int64_t n, int64_t hv, int channel) {
-  return log_decay_of(p, load_decay_bits(p, n, hv, channel), load_a_log_bits(p, hv));
+__device__ __forceinline__ float load_decay(const GdnDecodeParams& p, int64_t n, int64_t hv, int channel) {
+  return decay_of(p, load_decay_bits(p, n, hv, channel), load_a_log_bits(p, hv));
 }
 __device__ __forceinline__ float load_beta(const GdnDecodeParams& p, int64_t n, int64_t hv) {
   return beta_of(p, load_beta_bits(p, n, hv));
@@ -568,9 +570,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) decode_kv_kernel(const G
   // GDN: one decay for the head, in a register. KDA: one per key channel (row), staged in shared
   // memory (load_qk's barrier publishes them). A template flag keeps GDN free of the staging,
   // which measured 14% at B=1024 when it was a run-time branch.
-  const float head_decay = PER_CHANNEL ? 1.f : __expf(log_decay(p, site.n, site.hv, -1));
+  const float head_decay = PER_CHANNEL ? 1.f : load_decay(p, site.n, site.hv, -1);
   if constexpr (PER_CHANNEL) {
-    for (int i = t; i < K; i += kThreads) ds[i] = __expf(log_decay(p, site.n, site.hv, i));
+    for (int i = t; i < K; i += kThreads) ds[i] = load_decay(p, site.n, site.hv, i);
   }
   const float beta = load_beta(p, site.n, site.hv);
   const QkScales sc = load_qk<K>(p, site.n, site.h, qs, ks, red3);
@@ -742,7 +744,7 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
 #pragma unroll
   for (int j = 0; j < NP; ++j) vv[j] = load_f(p.v, p.dtype, v_at + RPP * j);
   // The thread's k channels are the same in every pass: their decays live in registers.
-  float decay[CPL][E];
+  float decay[CPL * E];  // channel E * (l * CPL + i) + m at i * E + m
   if constexpr (PER_CHANNEL) {
     DecayBits d_bits[CPL * E];
 #pragma unroll
@@ -750,20 +752,11 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
 #pragma unroll
       for (int m = 0; m < E; ++m) d_bits[i * E + m] = load_decay_bits(p, site.n, site.hv, E * (l * CPL + i) + m);
     }
-    float ld[CPL * E];
-    log_decays<CPL * E>(p, d_bits, load_a_log_bits(p, site.hv), ld);
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-#pragma unroll
-      for (int m = 0; m < E; ++m) decay[i][m] = __expf(ld[i * E + m]);
-    }
+    decays<CPL * E>(p, d_bits, load_a_log_bits(p, site.hv), decay);
   } else {
-    const float d = __expf(log_decay(p, site.n, site.hv, -1));
+    const float d = load_decay(p, site.n, site.hv, -1);
 #pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-#pragma unroll
-      for (int m = 0; m < E; ++m) decay[i][m] = d;
-    }
+    for (int i = 0; i < CPL * E; ++i) decay[i] = d;
   }
   const float beta = load_beta(p, site.n, site.hv);
   const QkScales sc = load_qk<K, T>(p, site.n, site.h, qs, ks, red3);
@@ -773,8 +766,8 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
 #pragma unroll
     for (int m = 0; m < E; ++m) {
       const int kk = E * (l * CPL + i) + m;
-      kd[i][m] = ks[kk] * decay[i][m];
-      qd[i][m] = qs[kk] * decay[i][m];
+      kd[i][m] = ks[kk] * decay[i * E + m];
+      qd[i][m] = qs[kk] * decay[i * E + m];
       ku[i][m] = ks[kk] * sc.k;
     }
   }
@@ -814,7 +807,7 @@ __global__ void __launch_bounds__(VkShape<K, ST, CHUNKS>::T) decode_vk_kernel(co
       float x[E];
       C::widen(s[j][i], x);
 #pragma unroll
-      for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i][m] + ku[i][m] * u;
+      for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i * E + m] + ku[i][m] * u;
       reinterpret_cast<Raw*>(S)[(r + RPP * j) * KC + l * CPL + i] = C::narrow(x);
     }
   }
@@ -972,7 +965,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
   float vv[TPW];
 #pragma unroll
   for (int t = 0; t < TPW; ++t) vv[t] = widen_bits(v_bits[t], p.dtype);
-  float qv[CPL][E], kv[CPL][E], decay[CPL][E];
+  float qv[CPL][E], kv[CPL][E], decay[CPL * E];  // decay of channel E * (i * LPR + l) + m at i * E + m
   float sqq = 0.f, skk = 0.f, sqk = 0.f;
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
@@ -980,20 +973,11 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
     widen_run<E>(k_bits[i], p.dtype, p.qk_aligned, kv[i]);
   }
   if constexpr (PER_CHANNEL) {
-    float ld[CPL * E];
-    log_decays<CPL * E>(p, d_bits, a_log_bits, ld);
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-#pragma unroll
-      for (int m = 0; m < E; ++m) decay[i][m] = __expf(ld[i * E + m]);
-    }
+    decays<CPL * E>(p, d_bits, a_log_bits, decay);
   } else {
-    const float d = __expf(log_decay_of(p, d_bits[0], a_log_bits));
+    const float d = decay_of(p, d_bits[0], a_log_bits);
 #pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-#pragma unroll
-      for (int m = 0; m < E; ++m) decay[i][m] = d;
-    }
+    for (int i = 0; i < CPL * E; ++i) decay[i] = d;
   }
   const float beta = beta_of(p, beta_bits);
 #pragma unroll
@@ -1013,11 +997,11 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
   for (int i = 0; i < CPL; ++i) {
 #pragma unroll
     for (int m = 0; m < E; ++m) {
-      kd[i][m] = PER_CHANNEL ? kv[i][m] * decay[i][m] : kv[i][m];
-      qd[i][m] = PER_CHANNEL ? qv[i][m] * decay[i][m] : qv[i][m];
+      kd[i][m] = PER_CHANNEL ? kv[i][m] * decay[i * E + m] : kv[i][m];
+      qd[i][m] = PER_CHANNEL ? qv[i][m] * decay[i * E + m] : qv[i][m];
     }
   }
-  const float sum_decay = PER_CHANNEL ? 1.f : decay[0][0];
+  const float sum_decay = PER_CHANNEL ? 1.f : decay[0];
 
   // Per tile: row partial sums, pairs (j, j + NP/2) folded at once into the butterfly's first
   // level, so only NP/2 accumulators per product are ever live beside the tiles.
@@ -1069,7 +1053,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
         float x[E];
         C::widen(s[t][j][i], x);
 #pragma unroll
-        for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i][m] + kv[i][m] * us;
+        for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i * E + m] + kv[i][m] * us;
         state_store<STREAM>(S + (t * BW + r + RPP * j) * KC + i * LPR + l, C::narrow(x));
       }
     }
@@ -1302,13 +1286,11 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
   }
   if constexpr (PER_CHANNEL) {
     float mine[G];
-    log_decays<G>(p, d_bits, a_log_bits, mine);
-#pragma unroll
-    for (int i = 0; i < G; ++i) mine[i] = __expf(mine[i]);
+    decays<G>(p, d_bits, a_log_bits, mine);
 #pragma unroll
     for (int j = 0; j < NR; ++j) decay[j] = __shfl_sync(0xffffffffu, mine[j % G], (r * NR + j) / G);
   } else {
-    decay[0] = __expf(log_decay_of(p, d_bits[0], a_log_bits));
+    decay[0] = decay_of(p, d_bits[0], a_log_bits);
   }
   const float beta = beta_of(p, beta_bits);
   float sqq = 0.f, skk = 0.f, sqk = 0.f;
