@@ -1145,9 +1145,9 @@ inline int64_t rule_sms(const GdnDecodeParams& p) { return p.sm_count > 0 ? p.sm
 // At mid batches (a few to 64 pairs per SM) the evict-first state (STREAM) gained 1-7%; it lost
 // at B=1 (where the benchmark's state stays in L2 between steps) and at B >= 256 (fp32) or 512
 // (bf16). Programmatic dependent launch (where the params allow it) gained 0.1-0.7 us per step on
-// every build chosen here. The persistent grid (PERSIST)
-// and the 32-row bf16 builds stay in the sweep: since the loads are issued before any is used
-// (load_bits), 16-row bf16 tiles are as fast or faster from B=4 (B=32 26.5 us against 27.0).
+// every build chosen here. The persistent grid (PERSIST) and the 32-row bf16 builds stay in the
+// sweep: since the loads are issued before any is used (load_bits), 16-row bf16 tiles are as fast
+// or faster from B=4 (B=32 26.5 us against 27.0).
 // The extra builds are for K = 128 only (Qwen3-Next, Kimi-Linear): each costs release compile time.
 template <int K, typename ST>
 int launch_vk_warp(const GdnDecodeParams& p, cudaStream_t stream) {
