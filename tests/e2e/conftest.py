@@ -25,6 +25,18 @@ from envs import (  # noqa: E402,F401  (re-exported for the tests)
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_cached_cudelta_wheels():
+    """pip keeps the wheel it built from an sdist under the sdist's URL and serves it, unbuilt, to a
+    later install that finds the same URL through --find-links. Temporary paths repeat across runs
+    on one machine (pytest numbers its base folders anew once they are removed), so a wheel left by
+    an earlier run would stand in for the very build under test. No run starts with one."""
+    run([sys.executable, "-m", "pip", "cache", "remove", "cudelta"], check=False)
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv:
+        run([uv, "cache", "clean", "cudelta"], check=False)
+
+
 @pytest.fixture(scope="session")
 def base_cu() -> Venv:
     return envs.base_cu()

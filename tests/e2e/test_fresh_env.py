@@ -50,6 +50,7 @@ def constraints(tmp_path: Path) -> Path:
 
 def check_installed(venv, out: str, server, release_dir, compiler_spy) -> None:
     asset = asset_name(release_dir)
+    assert "cudelta: target:" in out, "the sdist was not built: pip installed a wheel from its cache"
     assert "torch is not visible to this build" in out  # torch really was not there yet
     assert f"installing prebuilt {asset} (sha256 verified against the manifest embedded in the sdist)" in out
     assert compiler_spy.compiles() == []
