@@ -8,6 +8,7 @@ torch 2.13.0 CPU build) are made once and kept under CUDELTA_TEST_CACHE (default
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -25,6 +26,11 @@ PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 # Variables of ours or pip's that must not leak from the developer's shell into a case.
 _SCRUB = ("FORCE_BUILD", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "GITHUB_TOKEN", "PIP_NO_BUILD_ISOLATION",
           "VIRTUAL_ENV", "PYTHONPATH")
+
+
+def find_uv() -> str | None:
+    """uv next to the test interpreter (scripts/test.sh installs it there), else on PATH."""
+    return shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
 
 
 def clean_env(**extra: str) -> dict:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # release_server.py
 
 import envs  # noqa: E402
 from envs import (  # noqa: E402,F401  (re-exported for the tests)
-    BUILD_REQS, ROOT, TAG, VERSION, Venv, clean_env, make_venv, run,
+    BUILD_REQS, ROOT, TAG, VERSION, Venv, clean_env, find_uv, make_venv, run,
 )
 
 
@@ -32,7 +32,7 @@ def no_cached_cudelta_wheels():
     on one machine (pytest numbers its base folders anew once they are removed), so a wheel left by
     an earlier run would stand in for the very build under test. No run starts with one."""
     run([sys.executable, "-m", "pip", "cache", "remove", "cudelta"], check=False)
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    uv = find_uv()
     if uv:
         run([uv, "cache", "clean", "cudelta"], check=False)
 

@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TAG, VERSION, clean_env, pip_output, run
+from conftest import ROOT, TAG, VERSION, clean_env, find_uv, pip_output, run
 from release_server import ReleaseServer
 
 pytestmark = pytest.mark.e2e
@@ -121,7 +121,7 @@ def test_pip_installs_the_wheel_from_the_index(base_cu, fresh_venv, wheel, serve
 
 def test_uv_installs_the_wheel_from_the_index(base_cu, fresh_venv, wheel, served, tmp_path):
     env = fresh_venv(base_cu)
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    uv = find_uv()
     assert uv, "uv is in scripts/test.sh's runner venv"
     # --no-deps: this venv sees the base's torch through a .pth, which pip honours and uv does not
     # (uv would fetch torch from the index, which holds only cudelta).

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import TAG, VERSION, clean_env, pip_output, run
+from conftest import TAG, VERSION, clean_env, find_uv, pip_output, run
 
 pytestmark = pytest.mark.e2e
 
@@ -103,7 +101,7 @@ def uv_find_links() -> list[str]:
 
 
 def uv() -> str:
-    found = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    found = find_uv()
     if found is None:
         pytest.fail("uv is not installed next to the test interpreter (scripts/test.sh installs it)")
     return found
