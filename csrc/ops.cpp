@@ -76,7 +76,7 @@ std::string shape_of(const Tensor& t) {
   return s + "]";
 }
 
-// "generic, sm80, ...": the variants an image of `cuda_arch` contains, in the table's order
+// "warp, ...": the variants an image of `cuda_arch` contains, in the table's order
 // (kernels/launch.h kVariants).
 std::string variants_for(int cuda_arch) {
   std::string names;
@@ -346,7 +346,7 @@ std::vector<int64_t> probe(int64_t device) {
 
 std::string build_info() { return kBuildInfoJson; }
 
-// The variant table as JSON, [{"name": "generic", "id": 0, "min_arch": 0}, ...]: all Python knows of
+// The variant table as JSON, [{"name": "warp", "id": 0, "min_arch": 0}, ...]: all Python knows of
 // the variants (cudelta/_native.py variants()).
 std::string variants() {
   std::string out = "[";

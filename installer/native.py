@@ -14,7 +14,10 @@ from .cuda import ArchTarget
 from .errors import InstallerError
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("csrc/ops.cpp", "kernels/gdn_decode.cu", "kernels/probe.cu")
+# kernels/units/ holds one file per layout and state dtype (every build of those kernels), so ninja
+# compiles them in parallel; a unit added there is compiled without being listed here.
+SOURCES = ("csrc/ops.cpp", "kernels/dispatch.cu", "kernels/probe.cu",
+           *sorted(f"kernels/units/{unit.name}" for unit in (ROOT / "kernels" / "units").glob("*.cu")))
 
 # What a release wheel carries: sm_80 covers 8.x, the arch-specific sm_90a Hopper, the family
 # cubins sm_100f / sm_120f Blackwell datacenter / consumer, and compute_120 PTX for what comes next.

@@ -6,45 +6,13 @@
 
 namespace cudelta {
 
+// The kernel variants: each is a way to run the step, with its own device code and launch
+// rules. Only what measurement shows auto picking on some supported GPU and shape has a row
+// (benchmarks/results-h100-kernel.md, results-h200-kernel.md); the table keeps its mechanism so a
+// variant for a new architecture can be added when one can be measured there.
 enum class Variant : int {
-  kGeneric = 0,  // plain vectorised loads: any arch
-  kSm80 = 1,     // cp.async state tiles overlapped with the q/k prologue: sm_80+
-  kSm90 = 2,     // thread-block clusters: a head's column tiles co-scheduled on one GPC: sm_90+
-  kSm90Tma = 3,  // clusters + cp.async.bulk (TMA engine) row copies on mbarriers: sm_90+
-  kWarp = 4,     // one warp per tile held in registers, no block sync (kv with K=256: as generic): any arch
+  kWarp = 0,  // one warp per register-held tile, no block sync (kv with K=256: block_kv.cuh): any arch
 };
-
-// The one table of kernel variants: the id (index = Variant), the name users and Python see
-// (CUDELTA_KERNEL_VARIANT, `python -m cudelta`, error messages) and the lowest __CUDA_ARCH__ of an
-// image that contains its device code. Python reads it from the library (cudelta::variants);
-// nothing else repeats it.
-struct VariantInfo {
-  Variant id;
-  const char* name;
-  int min_arch;
-};
-inline constexpr VariantInfo kVariants[] = {
-    {Variant::kGeneric, "generic", 0},
-    {Variant::kSm80, "sm80", 800},
-    {Variant::kSm90, "sm90", 900},
-    {Variant::kSm90Tma, "sm90tma", 900},
-    {Variant::kWarp, "warp", 0},
-};
-constexpr int kNumVariants = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
-constexpr bool variants_in_id_order() {
-  for (int i = 0; i < kNumVariants; ++i)
-    if (static_cast<int>(kVariants[i].id) != i) return false;
-  return true;
-}
-static_assert(variants_in_id_order(), "kVariants must list the variants in id order");
-
-inline const char* variant_name(Variant v) { return kVariants[static_cast<int>(v)].name; }
-// Lowest __CUDA_ARCH__ of an image that contains the variant's device code.
-inline int variant_min_arch(Variant v) { return kVariants[static_cast<int>(v)].min_arch; }
-
-// What auto picks for an image (__CUDA_ARCH__), a launch of `heads` (request, head) pairs and a
-// state layout.
-Variant auto_variant(int image_arch, int64_t heads, bool state_vk);
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -96,7 +64,43 @@ struct GdnDecodeParams {
   bool pdl;
 };
 
-// Launch on `stream` (a cudaStream_t). Returns 0 or a cudaError_t value.
+
+// Launch one variant's kernels on `stream` (a cudaStream_t) for params within the grid's limits
+// (launch_gdn_decode splits larger batches). Returns 0 or a cudaError_t value.
+using LaunchFn = int (*)(const GdnDecodeParams& p, void* stream);
+int launch_warp(const GdnDecodeParams& p, void* stream);  // kernels/dispatch.cu
+
+// The one table of kernel variants, and all that a variant is: the id (index = Variant), the name
+// users and Python see (CUDELTA_KERNEL_VARIANT, `python -m cudelta`, error messages), the lowest
+// __CUDA_ARCH__ of an image that contains its device code, and its launch. Python reads it from the
+// library (cudelta::variants); nothing else repeats it. Adding a variant touches its row, the enum
+// and its own code.
+struct VariantInfo {
+  Variant id;
+  const char* name;
+  int min_arch;
+  LaunchFn launch;
+};
+inline constexpr VariantInfo kVariants[] = {
+    {Variant::kWarp, "warp", 0, &launch_warp},
+};
+constexpr int kNumVariants = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
+constexpr bool variants_in_id_order() {
+  for (int i = 0; i < kNumVariants; ++i)
+    if (static_cast<int>(kVariants[i].id) != i) return false;
+  return true;
+}
+static_assert(variants_in_id_order(), "kVariants must list the variants in id order");
+
+inline const char* variant_name(Variant v) { return kVariants[static_cast<int>(v)].name; }
+// Lowest __CUDA_ARCH__ of an image that contains the variant's device code.
+inline int variant_min_arch(Variant v) { return kVariants[static_cast<int>(v)].min_arch; }
+
+// What auto picks for an image (__CUDA_ARCH__), a launch of `heads` (request, head) pairs and a
+// state layout.
+Variant auto_variant(int image_arch, int64_t heads, bool state_vk);
+
+// Launch `variant` on `stream` (a cudaStream_t), any batch. Returns 0 or a cudaError_t value.
 int launch_gdn_decode(const GdnDecodeParams& p, Variant variant, void* stream);
 
 // Compute capability (major * 10 + minor) of `device`.

@@ -37,18 +37,10 @@ bool g_cached[kMaxDevices] = {};
 }  // namespace
 
 Variant auto_variant(int image_arch, int64_t heads, bool state_vk) {
-  // Measured on H100 with this build (benchmarks/results-h100-kernel.md, K=V=128, graph replay):
-  // layout kv: plain register loads are fastest or tied at every batch (B=1024 fp32: generic 1799 us,
-  // sm80 1815, sm90 1860, sm90tma 1817; on H200 likewise). Layout vk: from 1024 (request, head) pairs
-  // the cp.async staging wins (B=1024 fp32: sm80 1579 us, generic 1832; bf16 995 vs 1070; B=32:
-  // 59.7 vs 62.1), below it register loads (B=8: 17.5 vs 17.8), which also have the small-batch
-  // build. The vk tile is contiguous, so staging it takes no registers and more tiles are in flight.
-  // Layout vk: the warp build (one warp per register-held tile, no block sync) is fastest at every
-  // batch on H100 (Qwen3-Next, raw gates; fp32 state B=1/8/256/1024: 5.2/15.5/372/1464 us against
-  // 5.3/17.5 generic, 406/1585 sm80; bf16 state 4.8/10.6/212/830 against 4.8/13.4/256/998).
-  // Layout kv: its warp build (a lane holds consecutive rows of a column chunk) likewise, from
-  // B=1 (benchmarks/warp_sweep.cu kv, H100: fp32 B=1/8/256/1024 4.0/15.0/383/1504 us against generic
-  // 4.6/20.1/478/1894; bf16 3.8/9.0/218/854 against 4.1/10.4/323/1281).
+  // One variant has a row in the table: the warp kernels were the fastest of the five that were
+  // built (generic, sm80, sm90, sm90tma, warp) on the H100 and the H200, every layout, state dtype
+  // and batch measured (benchmarks/results-h100-kernel.md, results-h200-kernel.md), so the others
+  // were removed. The arguments stay: they are what a variant for another image would be chosen by.
   (void)state_vk;
   (void)heads;
   (void)image_arch;

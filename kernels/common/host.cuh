@@ -1,0 +1,36 @@
+// Host-side helpers every launch shares: the programmatic-dependent-launch attribute and the
+// occupancy the driver reports for a build.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "../launch.h"
+
+namespace cudelta {
+
+// Resident blocks per SM of `Kernel` on `device` with `threads` threads and `smem` bytes of dynamic
+// shared memory: asked of the driver once per kernel and device, then cached.
+template <auto Kernel>
+int resident_blocks_of(int device, int threads, size_t smem) {
+  static int cached[64] = {};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int blocks = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, threads, smem);
+  if (device >= 0 && device < 64 && blocks > 0) cached[device] = blocks;
+  return blocks;
+}
+
+// Appends the programmatic-dependent-launch attribute where the params ask for it (every kernel
+// here starts with pdl_enter); returns the attribute count.
+inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int n) {
+  if (p.pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  return static_cast<unsigned>(n);
+}
+
+}  // namespace cudelta

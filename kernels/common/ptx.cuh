@@ -1,0 +1,80 @@
+// PTX and warp primitives every kernel shares: programmatic dependent launch, the state's cache
+// hints, register fences, and the shuffle reductions. Anything sm_90+-only is guarded by
+// __CUDA_ARCH__, so each image of the fat binary (and the PTX the driver JITs) compiles it or not.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace cudelta {
+
+// Programmatic dependent launch (sm_90+). Launched with the attribute (GdnDecodeParams::pdl), a
+// kernel's blocks may become resident while the previous kernel of the stream still runs:
+// griddepcontrol.wait holds them until that kernel has completed and its writes are visible, so
+// every kernel here calls this before its first global access. It then lets the next kernel's
+// blocks do the same. Without the attribute both instructions are no-ops.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// The transposing butterfly from lane offset O down to LO: N sums per lane, halved at each level
+// until one is left, then plain xor-sums for the remaining offsets. At each halving level the lanes
+// with the offset's bit set keep the upper half.
+template <int N, int O, int LO = 1>
+__device__ __forceinline__ void butterfly(float* a, float* b, int lane) {
+  if constexpr (O >= LO) {
+    if constexpr (N > 1) {
+      constexpr int H = N / 2;
+      const bool hi = (lane & O) != 0;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        const float sa = hi ? a[i] : a[i + H], ka = hi ? a[i + H] : a[i];
+        const float sb = hi ? b[i] : b[i + H], kb = hi ? b[i + H] : b[i];
+        a[i] = ka + __shfl_xor_sync(0xffffffffu, sa, O);
+        b[i] = kb + __shfl_xor_sync(0xffffffffu, sb, O);
+      }
+      butterfly<H, O / 2, LO>(a, b, lane);
+    } else {
+      a[0] += __shfl_xor_sync(0xffffffffu, a[0], O);
+      b[0] += __shfl_xor_sync(0xffffffffu, b[0], O);
+      butterfly<1, O / 2, LO>(a, b, lane);
+    }
+  }
+}
+
+// The warp kernels' state chunks, each read and written once per step. STREAM: with the
+// evict-first ("streaming") cache hint (ld.global.cs / st.global.cs), so the state passing through
+// does not displace what L2 holds for longer. A launch-rule choice (launch_vk_warp, launch_kv_warp):
+// it pays at mid batches, and costs where a step's state stays in L2 between calls or where the
+// grid is many waves deep (the measurements: benchmarks/results-h100-kernel.md).
+template <bool STREAM, typename T>
+__device__ __forceinline__ T state_load(const T* p) {
+  if constexpr (STREAM) return __ldcs(p);
+  else return *p;
+}
+template <bool STREAM, typename T>
+__device__ __forceinline__ void state_store(T* p, const T& x) {
+  if constexpr (STREAM) __stcs(p, x);
+  else *p = x;
+}
+
+// Hides a chunk's value from the compiler, so the widened copy made for the reduction is not kept
+// live until the update (that doubled the registers of a bf16 tile); the update widens it again.
+__device__ __forceinline__ void opaque(float4& x) {
+  asm volatile("" : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w));
+}
+__device__ __forceinline__ void opaque(uint4& x) {
+  asm volatile("" : "+r"(x.x), "+r"(x.y), "+r"(x.z), "+r"(x.w));
+}
+
+}  // namespace cudelta

@@ -1,0 +1,7 @@
+// Layout vk, float32 state: every build of its kernels (kernels/units.h).
+#include "../launch_rules.cuh"
+#include "../units.h"
+
+namespace cudelta {
+template int launch_vk<float>(const GdnDecodeParams&, cudaStream_t);
+}  // namespace cudelta
