@@ -156,12 +156,12 @@ def test_io_dtypes_and_head_groups(name, variant, dtype, H, HV, l2norm):
 
 
 # Batches at Qwen3-Next's head counts that reach every build of the warp variant for K = V = 128
-# (kernels/gdn_decode.cu launch_vk_warp and launch_kv_warp, up to 132 SMs), with and without the
+# (kernels/launch_rules.cuh launch_vk_warp and launch_kv_warp, up to 132 SMs), with and without the
 # evict-first state. vk fp32: 4-row tiles (N=2), two 8-row tiles per warp (12, 37 evict-first),
 # 8-row tiles (100, 300); bf16: 8-row (2), 16-row (12, 37, 100 evict-first; 300). kv fp32: 4 column
 # chunks (2), 8 chunks in 2-warp blocks (12, 37 evict-first; 100, 300); bf16: 4 chunks (2; 12
 # evict-first), in 4-warp blocks (37, 100, 300). Programmatic dependent launch on and off in
-# between. Other head dims have one build; kv with K = 256 runs generic, K = 128 with V = 64 no
+# between. Other head dims have one build; kv with K = 256 runs the block kernel, K = 128 with V = 64 no
 # 4-warp blocks.
 WARP_BUILD_BATCHES = [(128, 128, 2), (128, 128, 12), (128, 128, 37), (128, 128, 100), (128, 128, 300),
                       (256, 128, 37), (64, 256, 37), (256, 64, 37), (128, 64, 100), (64, 64, 5)]
@@ -287,7 +287,7 @@ def test_public_api_raw_gates_vk_bf16_state_into_out_buffer():
 
 
 ERROR_CASES = {
-    "variant 7": ("run_op('gdn', 7, t)", "accepted: generic, sm80, sm90, sm90tma"),
+    "variant 7": ("run_op('gdn', 7, t)", "accepted: warp"),
     "beta shape": ("run_op('gdn', -1, dict(t, beta=t['beta'][:, :1]))", "beta must be [N, HV] = [2, 2]"),
     "fp16 state": ("run_op('gdn', -1, dict(t, state=t['state'].half()))",
                    "state has dtype float16; accepted: float32, bfloat16"),
@@ -392,5 +392,5 @@ def test_probe_reports_the_image_that_ran():
     assert arch // 10 <= cc and arch > 0
     if (major, minor) == (9, 0):
         assert arch == 900 and arch_specific == 1  # the sm_90a cubin, not PTX or sm_80
-        sm90 = _native.variants()["sm90"]
-        assert torch.ops.cudelta.select_variant(0, sm90, 32) == sm90
+        warp = _native.variants()["warp"]
+        assert torch.ops.cudelta.select_variant(0, warp, 32) == warp
