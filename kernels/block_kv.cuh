@@ -1,10 +1,9 @@
-// The block kernel of layout "kv" [K, V], kept for one shape only: kv with K = 256. The kv warp
-// kernel (warp_kv.cuh) holds NR = K / RPI consecutive rows of q, k and the state per lane; its
-// measured builds (4 column chunks a tile, 64-byte row segments) hold 16 rows at K = 128 and would
-// hold 32 at K = 256, 64 q/k registers beside a 128-register fp32 tile: more than a thread has. A
-// narrower K = 256 build (2 chunks, 16 rows) would fit but has never been measured against this
-// kernel, so the shape keeps the kernel auto ran for it before. Every other shape runs the warp
-// kernels.
+// The block kernel of layout "kv" [K, V], kept for one shape only: kv with K = 256. Every other
+// shape runs the warp kernels. The kv warp kernel (warp_kv.cuh) has no K = 256 build: a lane holds
+// NR = K / RPI consecutive rows of the state, q and k, so at K = 256 it would hold either 32 rows
+// (4 chunks a tile: the registers of the K = 128 two-warp build, 254) or read 32-byte row segments
+// (2 chunks, 16 rows), and neither has been measured against this kernel. Until a GPU run does,
+// the shape keeps the kernel auto ran for it before.
 //
 // One block of 128 threads owns one (request n, value head hv) pair and a 32-wide tile of its value
 // columns: thread t holds 4 columns 4*(t%8)..+3 of rows t/8 + 16 j, so a warp's vector accesses
