@@ -24,6 +24,7 @@
 #include "common/step.cuh"
 
 namespace cudelta {
+namespace {
 
 constexpr int kBlockThreads = 128;
 constexpr int kBlockWarps = kBlockThreads / 32;
@@ -240,4 +241,5 @@ int launch_kv_block(const GdnDecodeParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
+}  // namespace
 }  // namespace cudelta

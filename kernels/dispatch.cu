@@ -7,7 +7,6 @@
 // and only what shapes the state access is a template: the layout, the state dtype, K, the build's
 // tile shape, and the per-channel decay (KDA).
 
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,8 +30,8 @@ const void* advance(const void* p, int64_t elements, DType t) {
 int launch_warp(const GdnDecodeParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   switch (p.state_dtype) {
-    case DType::kFloat32: return p.state_vk ? launch_vk<float>(p, s) : launch_kv<float>(p, s);
-    case DType::kBFloat16: return p.state_vk ? launch_vk<__nv_bfloat16>(p, s) : launch_kv<__nv_bfloat16>(p, s);
+    case DType::kFloat32: return p.state_vk ? launch_vk_float32(p, s) : launch_kv_float32(p, s);
+    case DType::kBFloat16: return p.state_vk ? launch_vk_bfloat16(p, s) : launch_kv_bfloat16(p, s);
     default: break;
   }
   return static_cast<int>(cudaErrorInvalidValue);

@@ -68,7 +68,7 @@ struct GdnDecodeParams {
 // Launch one variant's kernels on `stream` (a cudaStream_t) for params within the grid's limits
 // (launch_gdn_decode splits larger batches). Returns 0 or a cudaError_t value.
 using LaunchFn = int (*)(const GdnDecodeParams& p, void* stream);
-int launch_warp(const GdnDecodeParams& p, void* stream);  // kernels/dispatch.cu
+__attribute__((visibility("hidden"))) int launch_warp(const GdnDecodeParams& p, void* stream);  // dispatch.cu
 
 // The one table of kernel variants, and all that a variant is: the id (index = Variant), the name
 // users and Python see (CUDELTA_KERNEL_VARIANT, `python -m cudelta`, error messages), the lowest

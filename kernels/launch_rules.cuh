@@ -15,6 +15,7 @@
 #include "warp_vk.cuh"
 
 namespace cudelta {
+namespace {
 
 // The SM count the warp launch rules scale their thresholds by (the probe always fills it; the
 // H100's 132, the GPU they were measured on, otherwise).
@@ -72,8 +73,7 @@ int launch_kv_warp(const GdnDecodeParams& p, cudaStream_t stream) {
   return launch_kv_warp_cols<K, ST, 4>(small, stream);
 }
 
-// One layout and state dtype, every head dim: the entry points kernels/units/ instantiate, one
-// translation unit each, so the builds compile in parallel (kernels/units.h declares them).
+// One layout and state dtype, every head dim: what each unit of kernels/units/ compiles.
 template <typename ST>
 int launch_vk(const GdnDecodeParams& p, cudaStream_t stream) {
   switch (p.K) {
@@ -94,4 +94,5 @@ int launch_kv(const GdnDecodeParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
+}  // namespace
 }  // namespace cudelta

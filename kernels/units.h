@@ -1,23 +1,23 @@
-// The entry points of the kernel builds, one per layout and state dtype: defined in
-// launch_rules.cuh, explicitly instantiated by one file each under kernels/units/, so ninja
-// compiles the four sets of kernels in parallel and dispatch.cu compiles none of them.
+// The entry points of the kernel builds, one per layout and state dtype, each defined by one file
+// of kernels/units/ (its launch_vk<ST> or launch_kv<ST>, launch_rules.cuh), so ninja compiles the
+// four sets of kernels in parallel and dispatch.cu compiles none of them.
+//
+// Everything in the kernel headers is in an unnamed namespace: internal to its unit, as when one
+// file held it all, so no template instance is exported from the library. These four are hidden
+// too: only the library itself calls them.
 #pragma once
 
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "launch.h"
 
 namespace cudelta {
 
-template <typename ST>
-int launch_vk(const GdnDecodeParams& p, cudaStream_t stream);  // state [P, HV, V, K]
-template <typename ST>
-int launch_kv(const GdnDecodeParams& p, cudaStream_t stream);  // state [P, HV, K, V]
-
-extern template int launch_vk<float>(const GdnDecodeParams&, cudaStream_t);
-extern template int launch_vk<__nv_bfloat16>(const GdnDecodeParams&, cudaStream_t);
-extern template int launch_kv<float>(const GdnDecodeParams&, cudaStream_t);
-extern template int launch_kv<__nv_bfloat16>(const GdnDecodeParams&, cudaStream_t);
+#define CUDELTA_UNIT_ENTRY __attribute__((visibility("hidden"))) int
+CUDELTA_UNIT_ENTRY launch_vk_float32(const GdnDecodeParams& p, cudaStream_t stream);   // state [P, HV, V, K]
+CUDELTA_UNIT_ENTRY launch_vk_bfloat16(const GdnDecodeParams& p, cudaStream_t stream);
+CUDELTA_UNIT_ENTRY launch_kv_float32(const GdnDecodeParams& p, cudaStream_t stream);   // state [P, HV, K, V]
+CUDELTA_UNIT_ENTRY launch_kv_bfloat16(const GdnDecodeParams& p, cudaStream_t stream);
+#undef CUDELTA_UNIT_ENTRY
 
 }  // namespace cudelta

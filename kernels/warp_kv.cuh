@@ -13,6 +13,7 @@
 #include "common/step.cuh"
 
 namespace cudelta {
+namespace {
 
 // One warp owns all K rows of BW = CPR * E value columns and keeps them
 // in registers. The step's reductions run over k, down the columns, so a lane holds NR consecutive
@@ -213,4 +214,5 @@ int launch_kv_warp_cols(const GdnDecodeParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
+}  // namespace
 }  // namespace cudelta

@@ -13,19 +13,21 @@
 #include "common/step.cuh"
 
 namespace cudelta {
+namespace {
 
 // One warp, alone in its block, owns a tile of BW rows x the whole K and keeps it in registers (at
-// most 512 bytes a lane), so nothing crosses warps: the q/k norms and the gates are computed by every warp with shuffles, there is no __syncthreads and no shared
-// memory, and an SM holds as many independent tiles as its registers allow (the whole decode step
-// is one read and one write of the state, so what bounds it is the bytes in flight per SM). Lane
-// l of a row holds chunks i*LPR + l (16 bytes each), so each load instruction of the warp covers
-// 512 contiguous bytes. The two row dot-products (h'^T k, h'^T q) are reduced by a transposing
-// butterfly: each level halves the rows a lane carries, so a 32-row tile costs 31 shuffles per
-// product instead of 32 x 5, and each lane ends with the sums of one row, whose u and output it
-// computes (the output store is one coalesced line); u comes back to the row's lanes by shuffle.
-// Rows per tile (BW) and tiles per warp (TPW) are build parameters: a warp holds at most 32 rows,
-// 128 state registers a lane. Small batches take short tiles (more warps, each with less dependent
-// work), large ones long tiles; launch_vk_warp (launch_rules.cuh) holds the rule.
+// most 512 bytes a lane), so nothing crosses warps: the q/k norms and the gates are computed by
+// every warp with shuffles, there is no __syncthreads and no shared memory, and an SM holds as many
+// independent tiles as its registers allow (the whole decode step is one read and one write of the
+// state, so what bounds it is the bytes in flight per SM). Lane l of a row holds chunks i*LPR + l
+// (16 bytes each), so each load instruction of the warp covers 512 contiguous bytes. The two row
+// dot-products (h'^T k, h'^T q) are reduced by a transposing butterfly: each level halves the rows
+// a lane carries, so a 32-row tile costs 31 shuffles per product instead of 32 x 5, and each lane
+// ends with the sums of one row, whose u and output it computes (the output store is one coalesced
+// line); u comes back to the row's lanes by shuffle. Rows per tile (BW) and tiles per warp (TPW)
+// are build parameters: a warp holds at most 32 rows, 128 state registers a lane. Small batches
+// take short tiles (more warps, each with less dependent work), large ones long tiles;
+// launch_vk_warp (launch_rules.cuh) holds the rule.
 template <int K, typename ST>
 constexpr int warp_rows_big() {
   return 32 * 512 / (K * int(sizeof(ST))) < 32 ? 32 * 512 / (K * int(sizeof(ST))) : 32;
@@ -256,4 +258,5 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
+}  // namespace
 }  // namespace cudelta

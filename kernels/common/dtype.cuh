@@ -13,6 +13,7 @@
 #include "../launch.h"
 
 namespace cudelta {
+namespace {
 
 __device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float x) {
   switch (t) {
@@ -144,4 +145,5 @@ struct Chunk<__nv_bfloat16> {
   }
 };
 
+}  // namespace
 }  // namespace cudelta

@@ -9,6 +9,7 @@
 #include "../launch.h"
 
 namespace cudelta {
+namespace {
 
 // Resident blocks per SM of `Kernel` on `device` with `threads` threads and `smem` bytes of dynamic
 // shared memory: asked of the driver once per kernel and device, then cached.
@@ -33,4 +34,5 @@ inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int
   return static_cast<unsigned>(n);
 }
 
+}  // namespace
 }  // namespace cudelta

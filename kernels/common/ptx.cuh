@@ -8,6 +8,7 @@
 #include <cstdint>
 
 namespace cudelta {
+namespace {
 
 // Programmatic dependent launch (sm_90+). Launched with the attribute (GdnDecodeParams::pdl), a
 // kernel's blocks may become resident while the previous kernel of the stream still runs:
@@ -77,4 +78,5 @@ __device__ __forceinline__ void opaque(uint4& x) {
   asm volatile("" : "+r"(x.x), "+r"(x.y), "+r"(x.z), "+r"(x.w));
 }
 
+}  // namespace
 }  // namespace cudelta

@@ -15,6 +15,7 @@
 #include "dtype.cuh"
 
 namespace cudelta {
+namespace {
 
 // softplus with PyTorch's threshold: linear above 20.
 // The fast intrinsics (as vLLM's Triton kernel): about 60 instructions fewer per tile than the
@@ -128,4 +129,5 @@ __device__ __forceinline__ bool slot_valid(const GdnDecodeParams& p, int64_t slo
   return slot >= p.min_slot && slot < p.P;
 }
 
+}  // namespace
 }  // namespace cudelta

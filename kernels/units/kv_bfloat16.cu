@@ -3,5 +3,5 @@
 #include "../units.h"
 
 namespace cudelta {
-template int launch_kv<__nv_bfloat16>(const GdnDecodeParams&, cudaStream_t);
+int launch_kv_bfloat16(const GdnDecodeParams& p, cudaStream_t stream) { return launch_kv<__nv_bfloat16>(p, stream); }
 }  // namespace cudelta

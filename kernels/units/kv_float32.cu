@@ -3,5 +3,5 @@
 #include "../units.h"
 
 namespace cudelta {
-template int launch_kv<float>(const GdnDecodeParams&, cudaStream_t);
+int launch_kv_float32(const GdnDecodeParams& p, cudaStream_t stream) { return launch_kv<float>(p, stream); }
 }  // namespace cudelta

@@ -3,5 +3,5 @@
 #include "../units.h"
 
 namespace cudelta {
-template int launch_vk<float>(const GdnDecodeParams&, cudaStream_t);
+int launch_vk_float32(const GdnDecodeParams& p, cudaStream_t stream) { return launch_vk<float>(p, stream); }
 }  // namespace cudelta
