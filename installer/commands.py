@@ -16,7 +16,7 @@ from setuptools import Extension
 from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
 from setuptools.command.sdist import sdist as _sdist
 
-from . import local_build, native, platform_tag
+from . import install_record, local_build, native, platform_tag
 from .build_record import git_revision
 from .errors import InstallerError
 from .log import say
@@ -27,13 +27,16 @@ from .settings import Settings
 class bdist_wheel(_bdist_wheel):
     user_options = _bdist_wheel.user_options + [
         ("compile-here", None, "internal: compile in this process (the target's torch is importable)"),
+        ("compile-reason=", None, "internal: why the parent compiles (kept in the install record)"),
     ]
     boolean_options = _bdist_wheel.boolean_options + ["compile-here"]
 
     def initialize_options(self) -> None:
         super().initialize_options()
         self.compile_here = False
+        self.compile_reason: Optional[str] = None
         self._plan: Optional[Plan] = None
+        self._install_record: Optional[dict] = None  # pure and local wheels; a prebuilt carries its own
 
     def finalize_options(self) -> None:
         try:
@@ -68,6 +71,9 @@ class bdist_wheel(_bdist_wheel):
                 say(f"note: {note}")
         if plan.kind == "pure":
             say(plan.reason)
+            if self._settings.explain:
+                say("CUDELTA_EXPLAIN: no release asset looked at (the pure-Python wheel is decided first)")
+            self._install_record = install_record.pure(self._target, plan.reason)
             super().run()
             return
         if plan.kind == "fetch":
@@ -77,13 +83,16 @@ class bdist_wheel(_bdist_wheel):
             if self._settings.no_build:
                 raise InstallerError(f"no prebuilt wheel: {why_not}. CUDELTA_NO_BUILD=1 forbids compiling; "
                                      "unset it to build from source.")
-            say(f"no prebuilt wheel ({why_not}): building from source")
-        elif not self.compile_here:
-            say(plan.reason)
-        if local_build.torch_importable_here():
-            self._compile()
+            reason = f"no prebuilt wheel ({why_not}): building from source"
+            say(reason)
         else:
-            local_build.compile_in_target_interpreter(Path(self.dist_dir))
+            reason = self.compile_reason or plan.reason
+            if not self.compile_here:
+                say(plan.reason)
+        if local_build.torch_importable_here():
+            self._compile(reason)
+        else:
+            local_build.compile_in_target_interpreter(Path(self.dist_dir), reason)
 
     def _try_prebuilt(self) -> Optional[str]:
         """Install a verified prebuilt wheel (or the pure-Python one) into dist_dir; or return why
@@ -94,6 +103,7 @@ class bdist_wheel(_bdist_wheel):
                                    Path(self.dist_dir))
         if outcome.kind == "pure":
             self._become_pure()
+            self._install_record = install_record.pure(self._target, outcome.reason)
             super().run()
         return outcome.why_not
 
@@ -104,9 +114,11 @@ class bdist_wheel(_bdist_wheel):
         self.py_limited_api = False
         self.plat_name_supplied = False
 
-    def _compile(self) -> None:
+    def _compile(self, reason: str) -> None:
         version = self.distribution.get_version()
         job = local_build.prepare(self._settings, self._target, version, Path(self.bdist_dir).resolve().parent)
+        if not self._settings.release_build:  # a release asset gets its record where it is installed
+            self._install_record = install_record.local(self._target, reason, job.record, self.get_tag()[2])
         self.distribution.ext_modules[:] = [job.extension]
         self.distribution.cmdclass["build_ext"] = job.build_ext
         self.distribution.command_obj.pop("build_ext", None)
@@ -118,6 +130,11 @@ class bdist_wheel(_bdist_wheel):
             build_lib = Path(self.get_finalized_command("build_ext").build_lib)
             local_build.label_release_wheel(Path(self.dist_dir), version, (build_lib / "cudelta").glob("_C*.so"),
                                             job.record["cuda_label"])
+
+    def egg2dist(self, egginfo_path: str, distinfo_path: str) -> None:
+        super().egg2dist(egginfo_path, distinfo_path)
+        if self._install_record is not None:  # RECORD is written after this, so it lists the file
+            (Path(distinfo_path) / install_record.FILENAME).write_text(install_record.dumps(self._install_record))
 
 
 def _detect(settings: Settings):

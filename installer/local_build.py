@@ -107,12 +107,13 @@ def label_release_wheel(dist: Path, version: str, libraries: Iterable[Path], cud
     return out
 
 
-def compile_in_target_interpreter(dist_dir: Path) -> None:
+def compile_in_target_interpreter(dist_dir: Path, reason: str) -> None:
     """pip's isolation hides torch from us; compile in a child of the same interpreter that sees
     the target's site-packages plus our build requirements."""
     env = unisolated_env()
     with tempfile.TemporaryDirectory(prefix="cudelta-build-") as tmp:
-        cmd = [sys.executable, "setup.py", "bdist_wheel", "--compile-here", "--dist-dir", tmp]
+        cmd = [sys.executable, "setup.py", "bdist_wheel", "--compile-here", f"--compile-reason={reason}",
+               "--dist-dir", tmp]
         probe = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], env=env,
                                capture_output=True, text=True)
         if probe.returncode != 0:

@@ -243,6 +243,11 @@ class Settings:
         doc="Minimum download rate in KB/s, over any 20 s once a body has flowed for 20 s; a slower "
         "download fails (the install compiles instead). 0 turns the check off.",
     )
+    explain: bool = _setting(
+        "CUDELTA_EXPLAIN", parse=parse_bool, default=False,
+        doc="Print every release asset with its verdict (chosen, fits, or the rule it failed) into "
+        "the build log; `python -m cudelta` shows the same after the install.",
+    )
     github_token: Optional[str] = _setting(
         "GITHUB_TOKEN", parse=lambda name, raw: raw.strip() or None, secret=True,
         doc="Sent as a bearer token to github.com hosts only (rate limits); never printed.",
