@@ -131,10 +131,12 @@ class bdist_wheel(_bdist_wheel):
             local_build.label_release_wheel(Path(self.dist_dir), version, (build_lib / "cudelta").glob("_C*.so"),
                                             job.record["cuda_label"])
 
-    def egg2dist(self, egginfo_path: str, distinfo_path: str) -> None:
-        super().egg2dist(egginfo_path, distinfo_path)
-        if self._install_record is not None:  # RECORD is written after this, so it lists the file
-            (Path(distinfo_path) / install_record.FILENAME).write_text(install_record.dumps(self._install_record))
+    def write_wheelfile(self, wheelfile_base: str, *args, **kwargs) -> None:
+        # Called with the dist-info folder whether it came from egg-info or, under PEP 517, from
+        # pip's prepare_metadata step; RECORD is written after, so it lists the file.
+        super().write_wheelfile(wheelfile_base, *args, **kwargs)
+        if self._install_record is not None:
+            (Path(wheelfile_base) / install_record.FILENAME).write_text(install_record.dumps(self._install_record))
 
 
 def _detect(settings: Settings):
