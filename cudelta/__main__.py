@@ -141,8 +141,8 @@ def report(run_smoke: bool = True) -> dict:
     }
     if st.loaded:
         out["library_build_info"] = json.loads(torch.ops.cudelta.build_info())
+    out["driver_cuda"] = driver_cuda_version()
     if torch.cuda.is_available():
-        out["driver_cuda"] = driver_cuda_version()
         out["gpus"] = [gpu_report(i, run_smoke) for i in range(torch.cuda.device_count())]
     return out
 
@@ -165,7 +165,7 @@ def render(r: dict) -> str:
     lines.append(f"  native  {'loaded' if n['loaded'] else 'not loaded'}: {n['library'] or '-'}"
                  + ("" if n["loaded"] else f" ({n['reason']})"))
     t = r["torch"]
-    lines.append(f"torch {t['version']} (CUDA {t['cuda']}), driver CUDA {r.get('driver_cuda', '-')}, "
+    lines.append(f"torch {t['version']} (CUDA {t['cuda']}), driver CUDA {r.get('driver_cuda') or '-'}, "
                  f"{len(r['gpus'])} GPU(s)")
     for gpu in r["gpus"]:
         head = f"  GPU {gpu['index']}: {gpu['name']} (compute {gpu['capability']})"

@@ -169,7 +169,9 @@ def test_force_build_compiles_locally_and_never_calls_the_server(base_cu, fresh_
     assert server.paths() == []
     record = installed_record(env)
     assert record["build"]["build"] == "local" and record["build"]["archs"] == ["sm_90a"]
-    assert record["source"] is None
+    source = json.loads(record["source"])  # a compile records what it was made for, like a prebuilt
+    assert source["kind"] == "local" and source["reason"] == "FORCE_BUILD=1: compiling locally, no download"
+    assert source["chosen"]["archs"] == ["sm_90a"] and source["machine"]["driver_cuda"] is None
 
 
 def test_no_build_without_a_matching_asset_fails_clearly_and_installs_nothing(base_cu, fresh_venv, sdist, server,
@@ -264,3 +266,5 @@ def test_a_cpu_arch_the_release_has_no_cuda_build_for_gets_the_pure_python_wheel
     assert not any(p.endswith(".whl") for p in server.paths()) and asset not in out
     record = installed_record(env)
     assert record["library"] is None and record["build"] is None
+    source = json.loads(record["source"])
+    assert source["kind"] == "pure" and source["pure_because"] == "platform"
