@@ -208,3 +208,20 @@ def test_the_loader_reads_gpus_from_libcuda_without_torch_s_cuda(tmp_path):
     code = "import json; from cudelta import _native as n; m = n.this_machine(); print(json.dumps([m.driver_cuda, m.gpus]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [[12, 8], [[9, 0], [7, 5]]]
+
+
+def test_python_m_cudelta_shows_the_facts_the_verdict_and_each_asset_not_chosen():
+    pytest.importorskip("torch")
+    from cudelta.__main__ import render_choice
+
+    record = prebuilt_record(replace(IMAGE_BUILD, driver_cuda=(12, 8), gpus=(Gpu(0, "A100", 8, 0),)))
+    check = "this install was chosen for another machine: ..."
+    assert render_choice(record, check) == [
+        "  chosen from  linux x86_64 glibc 2.36, Python 3.11, driver CUDA 12.8, GPUs 8.0, torch 2.13.0+cpu",
+        f"  verdict      {CU129} matches: driver CUDA 12.8, GPU 0 sm_80 via sm_80 cubin, manylinux_2_36_x86_64",
+        f"  not chosen   {CU130}: the NVIDIA driver supports CUDA 12.8, older than the 13.0 that {CU130} needs "
+        "(update the driver)",
+        f"  not chosen   {CU130_ARM}: built for manylinux_2_28_aarch64, not manylinux_2_36_x86_64",
+        f"  this machine {check}",
+    ]
+    assert render_choice(record, None)[-1] == "  this machine would choose the same"
