@@ -20,8 +20,7 @@ from packaging.tags import Tag, compatible_tags, cpython_tags, generic_tags
 from packaging.version import InvalidVersion, Version
 
 from . import cuda
-from .cuda import covering_arch, runnable_images
-from .cuda import preference
+from .cuda import covering_arch, preference, runnable_images
 from .manifest import Asset, Manifest
 from .target import TargetEnv
 
@@ -253,7 +252,7 @@ def _row_reason(v: _Verdict, best: Optional[_Verdict], ctx: _Context) -> str:
         return v.reason[len(v.asset.name) + 1:]  # 'matches: ...'
     if v.stage == len(_RULES):
         if ctx.target.driver_cuda is not None:
-            return f"matches too; {best.asset.name} is a newer toolkit build this driver runs"
+            return f"matches too; {best.asset.name} comes first (the newest toolkit this driver runs)"
         return (f"matches too; with no driver visible {best.asset.name} comes first "
                 f"(driver floor {best.asset.driver_floor}, the lowest, then the newest toolkit)")
     if v.reason.startswith("no prebuilt wheel for "):

@@ -295,7 +295,7 @@ def test_the_explain_table_gives_every_asset_a_verdict():
     cu129, cu130 = asset("12.9"), asset("13.0")
     old_gpu = target(driver_cuda=(13, 0), gpus=(Gpu(0, "Tesla V100", 7, 0),))
     assert choose(manifest(cu129, cu130), target(), "0.1.0").table() == [
-        f"fits     {cu129.name}: matches too; {cu130.name} is a newer toolkit build this driver runs",
+        f"fits     {cu129.name}: matches too; {cu130.name} comes first (the newest toolkit this driver runs)",
         f"chosen   {cu130.name}: matches: driver CUDA 13.0, GPU 0 sm_90 via sm_90a cubin, manylinux_2_36_x86_64",
     ]
     assert choose(manifest(cu129, cu130), old_gpu, "0.1.0").table() == [

@@ -43,7 +43,7 @@ def test_explain_prints_every_asset_with_its_verdict_into_the_build_log(tmp_path
     (cu129, cu130), lines = install(tmp_path, capsys, "1")
     start = lines.index(next(line for line in lines if line.startswith("cudelta: CUDELTA_EXPLAIN: 2 asset(s)")))
     assert lines[start + 1:start + 3] == [
-        f"cudelta:   fits     {cu129}: matches too; {cu130} is a newer toolkit build this driver runs",
+        f"cudelta:   fits     {cu129}: matches too; {cu130} comes first (the newest toolkit this driver runs)",
         f"cudelta:   chosen   {cu130}: matches: driver CUDA 13.0, GPU 0 sm_90 via sm_90a cubin, manylinux_2_36_x86_64",
     ]
 
@@ -60,4 +60,4 @@ def test_the_installed_wheel_carries_the_record_of_the_choice(tmp_path, capsys):
         record = json.loads(zf.read("cudelta-0.1.0.dist-info/cudelta_source.json"))
     assert record["kind"] == "prebuilt" and record["asset"] == cu130 and record["chosen"]["name"] == cu130
     assert record["machine"]["driver_cuda"] == "13.0" and record["machine"]["gpus"] == ["9.0"]
-    assert record["rejected"] == [[cu129, f"matches too; {cu130} is a newer toolkit build this driver runs"]]
+    assert record["rejected"] == [[cu129, f"matches too; {cu130} comes first (the newest toolkit this driver runs)"]]
