@@ -190,7 +190,7 @@ def test_a_schema_1_record_has_no_facts_to_judge():
 
 
 def test_the_loader_s_line_uses_the_reinstall_command_of_the_build_record():
-    torch = pytest.importorskip("torch")  # noqa: F841
+    pytest.importorskip("torch")
     from cudelta import _build_record, _native
 
     record = install_record.pure(replace(IMAGE_BUILD, driver_overridden=True), "CUDELTA_DRIVER_CUDA=cpu: ...")
