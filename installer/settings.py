@@ -3,8 +3,8 @@
 Each setting is declared once, with its variable names, default and documentation; README's
 table is checked against this list by the tests. A bad value raises `SettingsError` naming the
 variable, the value and what is accepted, in one line; a value no one can mean (an infinite
-timeout, a URL with a space, a driver CUDA 0.0) is refused here, before any work. Nothing else in `installer/` reads `os.environ` for
-configuration.
+timeout, a URL with a space, a driver CUDA 0.0) is refused here, before any work. Nothing else
+in `installer/` reads `os.environ` for configuration.
 """
 
 from __future__ import annotations
