@@ -361,13 +361,13 @@ class Settings:
     driver_cuda: Optional[str] = _setting(
         "CUDELTA_DRIVER_CUDA", "CUDELTA_CUDA_VERSION", parse=parse_driver_cuda,
         doc="The driver CUDA version to choose a prebuilt wheel for (`12.8`, `13.0`, `cu130`; 10.0 to "
-        "99.9), instead of the driver this build sees (none in an image build); `cpu`: the pure-Python "
-        "wheel. `CUDELTA_CUDA_VERSION` is its old name.",
+        "99.9, as nvidia-smi prints it), instead of the driver this build sees (none in an image "
+        "build); `cpu`: the pure-Python wheel. `CUDELTA_CUDA_VERSION` is its old name.",
     )
     cuda_archs: Optional[tuple[cuda.ArchTarget, ...]] = _setting(
         "CUDELTA_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST", parse=parse_arch_list,
-        doc="Archs of a local build, e.g. `8.0;9.0a+PTX` (default: the GPUs present; all "
-        "release archs when none is).",
+        doc="Archs of a local build, e.g. `8.0;9.0a+PTX` (`a` from 9.0, `f` from 10.0; default: the GPUs "
+        "present; all release archs when none is).",
     )
     max_jobs: Optional[int] = _setting(
         "MAX_JOBS", parse=parse_max_jobs,
