@@ -268,6 +268,11 @@ def _checked_path(name: str, raw: str, expected: str) -> Path:
     if expanded.startswith("~"):
         raise SettingsError(f"{name}={shown(raw)} names the home folder of a user this machine does not know "
                             f"({shown(value.split('/')[0])}); expected {expected}")
+    if not os.path.isabs(expanded):
+        # pip and uv run the build in a temporary copy of the sdist: a relative path would name a
+        # folder inside it, gone after the install, not the one the user sees.
+        raise SettingsError(f"{name}={shown(raw)} is a relative path, which pip and uv would resolve in their "
+                            f"temporary build folder; expected {expected}, absolute (or starting with ~/)")
     return Path(expanded)
 
 

@@ -54,8 +54,8 @@ HOSTILE: dict[str, list[str]] = {
         "//h/x", "HTTP://H.EXAMPLE/R",
     ],
     "cache_dir": [
-        "/tmp/a\x00b", "/tmp/a\nb", "/" + "a" * 300, "/a" * 2100, "~", "~/c", "relative/dir", "/tmp/\udcff",
-        "/tmp/with space", "/tmp/\u202e",
+        "/tmp/a\x00b", "/tmp/a\nb", "/" + "a" * 300, "/a" * 2100, "~", "~/c", "relative/dir", "./c", "../c",
+        "/tmp/\udcff", "/tmp/with space", "/tmp/\u202e",
     ],
     "driver_cuda": [
         "0.0", "0", "cu0", "9.2", "cu92", "13.10", "100.0", "99.9", "999", "cu1000", "13", "13.0.0", "-13.0",
@@ -96,7 +96,7 @@ def _sane_url(v: Any) -> bool:
 
 
 def _sane_path(v: Any) -> bool:
-    return isinstance(v, Path) and _clean(str(v)) and len(os.fsencode(str(v))) < 4096
+    return isinstance(v, Path) and v.is_absolute() and _clean(str(v)) and len(os.fsencode(str(v))) < 4096
 
 
 def _sane_driver(v: Any) -> bool:
@@ -207,6 +207,8 @@ def test_each_value_parses_to_a_sane_value_or_is_refused_in_one_line_naming_the_
      "11; expected a directory path"),
     ("CUDELTA_CACHE_DIR", "~no-such-user-here/cache", "CUDELTA_CACHE_DIR='~no-such-user-here/cache' names the home "
      "folder of a user this machine does not know ('~no-such-user-here'); expected a directory path"),
+    ("CUDELTA_CACHE_DIR", "cudelta-cache", "CUDELTA_CACHE_DIR='cudelta-cache' is a relative path, which pip and uv "
+     "would resolve in their temporary build folder; expected a directory path, absolute (or starting with ~/)"),
     ("CUDELTA_TARGET_PYTHON", "/", "CUDELTA_TARGET_PYTHON='/' is a directory; expected the path of a Python "
      "interpreter (e.g. .venv/bin/python)"),
     ("CUDELTA_TARGET_PYTHON", THIS_FILE, f"CUDELTA_TARGET_PYTHON={THIS_FILE!r} is not executable"),
@@ -234,6 +236,7 @@ def test_what_no_one_can_mean_is_refused_with_what_is_accepted(name, raw, messag
     ("CUDELTA_WHEEL_URL", "file:///srv/wheel%20house/", "wheel_url", "file:///srv/wheel%20house"),
     ("CUDELTA_CACHE_DIR", "/srv/my cache", "cache_dir", Path("/srv/my cache")),
     ("CUDELTA_TARGET_PYTHON", sys.executable, "target_python", Path(sys.executable)),
+    ("CUDELTA_CACHE_DIR", "~/.cache/cudelta", "cache_dir", Path.home() / ".cache" / "cudelta"),
 ])
 def test_the_edges_of_each_range_and_real_world_spellings_are_accepted(name, raw, field, expected):
     assert getattr(Settings.from_env({name: raw}), field) == expected
