@@ -361,7 +361,8 @@ class Settings:
     )
     cache_dir: Optional[Path] = _setting(
         "CUDELTA_CACHE_DIR", parse=parse_path,
-        doc="Download cache (default: the user cache dir, e.g. `~/.cache/cudelta`).",
+        doc="Download cache, an absolute path or `~/...` (default: the user cache dir, e.g. "
+        "`~/.cache/cudelta`).",
     )
     driver_cuda: Optional[str] = _setting(
         "CUDELTA_DRIVER_CUDA", "CUDELTA_CUDA_VERSION", parse=parse_driver_cuda,
