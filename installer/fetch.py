@@ -364,7 +364,8 @@ class Fetcher:
 
                 transfer = self._transfer(name, length, limit, too_long, deadline)
                 try:
-                    write_verified(_reporting(transfer, transfer.chunks(response.raw), doing), target, sha256, size, name)
+                    chunks = _reporting(transfer, transfer.chunks(response.raw), doing)
+                    write_verified(chunks, target, sha256, size, name)
                 except TransferStopped as stop:
                     raise self._fetch_error(url, stop.reason, attempt) from None
                 except (requests.RequestException, HTTPError) as exc:

@@ -11,6 +11,8 @@ Also here: what a process waiting on the cache's lock is told about the holder.
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -262,6 +264,49 @@ def test_when_the_private_folder_is_full_too_the_error_says_both(tmp_path, serve
             "set CUDELTA_CACHE_DIR to a folder on another disk")
         assert list(tmp.iterdir()) == []  # the private folder is gone
         assert partials(cache_dir) == []
+
+
+# One install as another user, for a cache it may not write (EACCES). Root writes anywhere, so as
+# root the child drops to nobody; its private folder is gone when it exits, so it hashes its own.
+CHILD = """
+import hashlib, sys
+from pathlib import Path
+import requests
+from installer.fetch import Fetcher
+from installer.settings import Settings
+base, cache, name, sha, size = sys.argv[1:6]
+session = requests.Session()
+session.trust_env = False
+fetcher = Fetcher(Settings(cache_dir=Path(cache), http_retries=0, http_min_rate=0), session=session,
+                  backoff_factor=0, log=lambda line: print("log:", line, flush=True))
+path = fetcher.fetch_asset(base, name, sha, int(size))
+print("delivered:", hashlib.sha256(path.read_bytes()).hexdigest(), Path(cache) in path.parents, flush=True)
+"""
+
+
+def test_a_cache_this_user_may_not_write_is_said_so(server):
+    # Outside tmp_path: pytest's folders are private to their user, and the child is another user.
+    shared = Path(tempfile.mkdtemp(prefix="cudelta-eacces-"))
+    try:
+        shared.chmod(0o755)
+        cache_dir = shared / "cache"
+        cache_dir.mkdir(mode=0o755)
+        as_another_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        if os.geteuid() != 0:
+            cache_dir.chmod(0o555)
+        proc = subprocess.run(
+            [*as_another_user, sys.executable, "-c", CHILD, server.base_url(TAG), str(cache_dir), NAME, SHA, str(SIZE)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "NO_PROXY": "127.0.0.1", "TMPDIR": "/tmp"},
+            capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"delivered: {SHA} False" in proc.stdout.splitlines()
+        assert (f"log: not caching {NAME}: no permission to write {cache_dir / SHA} in the download cache "
+                f"{cache_dir} (EACCES); set CUDELTA_CACHE_DIR to a folder you can write to; downloading it into a "
+                "private temporary folder instead") in proc.stdout.splitlines(), proc.stdout
+        assert list(cache_dir.iterdir()) == []
+    finally:
+        cache_dir.chmod(0o755)
+        shutil.rmtree(shared)
 
 
 # -- the lock: waiters are told what the holder is doing ---------------------------------------------
