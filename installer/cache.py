@@ -36,7 +36,8 @@ PRIVATE_PREFIX = "cudelta-download-"
 class DiskError(Exception):
     """Writing a file failed on the disk's side, not the network's: `error` is the OSError, `path`
     the file or folder it was about. `verified`: a verified copy that could not be renamed into
-    place, left for the caller to move out (it is inside the cache and must not stay there)."""
+    place, left for the caller to move out (it is inside the cache and must not stay there), then
+    where the caller moved it."""
 
     def __init__(self, error: OSError, path: Path, verified: Optional[Path] = None, detail: str = "") -> None:
         super().__init__(f"{path}: {error.strerror or type(error).__name__}")

@@ -207,6 +207,12 @@ class Fetcher:
                     self._download(base_url, name, target, sha256, size, owner.doing)
                 except DiskError as failure:
                     failure.mid_download = True
+                    if failure.verified is not None:
+                        # Out of the cache while the lock keeps others' remove_partials off it.
+                        try:
+                            failure.verified = move_out(failure.verified, name)
+                        except OSError as exc:
+                            raise self._no_room(name, exc, unusable_words(failure, folder.parent)) from None
                     raise
         finally:
             owner.remove()
@@ -216,18 +222,14 @@ class Fetcher:
     def _fetch_uncached(
         self, base_url: str, name: str, sha256: str, size: Optional[int], failure: DiskError, cache_dir: Path
     ) -> Path:
-        """The fallback when the cache cannot hold `name`: a verified copy already downloaded is
-        moved out and used; else a verified copy the cache already has (a read-only cache); else a
+        """The fallback when the cache cannot hold `name`: a verified copy already downloaded (and
+        moved out of the cache) is used; else a verified copy the cache already has (a read-only cache); else a
         download into a private folder. Said in one line, with the cause and how to fix it."""
         why = unusable_words(failure, cache_dir)
-        if failure.verified is not None:
-            try:
-                path = move_out(failure.verified, name)
-            except OSError as exc:
-                raise self._no_room(name, exc, why) from None
+        if failure.verified is not None:  # already moved out of the cache, under its lock
             self._log(f"not caching {name}: {why}; installing the verified download from a private "
                       "temporary folder instead")
-            return path
+            return failure.verified
         cached = cache_dir / sha256 / name
         if self._readable_copy(cached, sha256, size, name):
             self._log(f"using cached {name} ({cached}; sha256 verified) without the cache's lock: {why}")
