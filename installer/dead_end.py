@@ -32,15 +32,15 @@ class NoPrebuilt:
 
 
 def _compile_needs(target: TargetEnv) -> str:
-    """What a compile needs that this target lacks, as an instruction."""
-    needs = []
+    """What a local compile needs, with what this target has instead."""
     if target.torch_version is None:
-        needs.append("a CUDA build of torch installed first")
+        torch = "a CUDA build of torch installed first"
     elif target.torch_cuda is None:
-        needs.append(f"a CUDA build of torch in place of {target.torch_version}")
-    if target.nvcc_version is None:
-        needs.append("nvcc (CUDA toolkit on PATH or CUDA_HOME)")
-    return " and ".join(needs) or "a CUDA build of torch and nvcc"
+        torch = f"a CUDA build of torch (not {target.torch_version})"
+    else:
+        torch = f"torch {target.torch_version}"
+    nvcc = f"nvcc {target.nvcc_version}" if target.nvcc_version else "nvcc (the CUDA toolkit, on PATH or CUDA_HOME)"
+    return f"{torch} and {nvcc}"
 
 
 def _offline_without_a_folder(settings: Settings) -> bool:
