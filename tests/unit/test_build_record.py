@@ -117,3 +117,9 @@ def test_the_reinstall_hint_touches_only_cudelta_with_pip_and_with_uv():
     assert pip == "FORCE_BUILD=1 pip install --force-reinstall --no-deps --no-cache-dir cudelta"
     assert uv == "FORCE_BUILD=1 uv pip install --reinstall-package cudelta --no-deps --no-cache cudelta"
     assert build_record.reader.REINSTALL == f"{pip[len('FORCE_BUILD=1 '):]} (uv: {uv[len('FORCE_BUILD=1 '):]})"
+
+
+def test_readme_gives_the_same_reinstall_commands():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for command in build_record.reader.reinstall_commands():
+        assert f"`{command}`" in readme
