@@ -77,14 +77,14 @@ class bdist_wheel(_bdist_wheel):
             missed = self._try_prebuilt()
             if missed is None:
                 return
-            if self._settings.no_build or local_build.compile_blockers(self._target):
+            if self._settings.no_build or self._compile_blockers():
                 raise self._dead_end(missed)  # before a compile that cannot start (or may not)
             say(f"no prebuilt wheel ({missed.why}): building from source")
         else:
             missed = NoPrebuilt("FORCE_BUILD=1", "not-tried")
             if not self.compile_here:
                 # The release matrix's own toolchain failing is its maintainers' business, said as is.
-                if not self._settings.release_build and local_build.compile_blockers(self._target):
+                if not self._settings.release_build and self._compile_blockers():
                     raise self._dead_end(missed)
                 say(plan.reason)
         try:
@@ -97,9 +97,12 @@ class bdist_wheel(_bdist_wheel):
                 raise  # the parent, which ran us, says the ways out
             raise self._dead_end(missed, compile_failure=str(exc)) from None
 
+    def _compile_blockers(self) -> list[str]:
+        return local_build.compile_blockers(self._target, torch_here=local_build.torch_importable_here())
+
     def _dead_end(self, missed: NoPrebuilt, compile_failure: Optional[str] = None) -> InstallerError:
-        blockers = local_build.compile_blockers(self._target)
-        return InstallerError(dead_end.final_line(self._settings, self._target, missed, blockers, compile_failure))
+        return InstallerError(dead_end.final_line(self._settings, self._target, missed, self._compile_blockers(),
+                                                  compile_failure))
 
     def _try_prebuilt(self) -> Optional[NoPrebuilt]:
         """Install a verified prebuilt wheel (or the pure-Python one) into dist_dir; or return why

@@ -25,8 +25,10 @@ def line(settings=Settings(), target=LAPTOP, missed=UNREACHABLE, compile_failure
 def test_what_a_compile_lacks_is_read_from_detection():
     assert compile_blockers(GPU_HOST) == []
     assert compile_blockers(LAPTOP) == ["torch 2.13.0+cpu has no CUDA", "nvcc (the CUDA toolkit) was not found"]
-    assert compile_blockers(replace(GPU_HOST, torch_version=None, torch_cuda=None)) == [
-        "torch is not installed where this build can see it"]
+    no_torch = replace(GPU_HOST, torch_version=None, torch_cuda=None)
+    assert compile_blockers(no_torch) == ["torch is not installed where this build can see it"]
+    # A torch this process imports (user site, --no-build-isolation) is the one the compile uses.
+    assert compile_blockers(no_torch, torch_here=True) == []
 
 
 def test_offline_with_a_cpu_torch_names_the_pure_wheel_a_mirror_a_compile_and_the_network_cause():
