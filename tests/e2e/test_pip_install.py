@@ -182,6 +182,10 @@ def test_no_build_without_a_matching_asset_fails_clearly_and_installs_nothing(ba
     assert proc.returncode != 0
     assert "the NVIDIA driver supports CUDA 12.8, older than the 13.0" in out
     assert "CUDELTA_NO_BUILD=1 forbids compiling" in out
+    # torch 2.14.1+cu130 and nvcc are here: the compile it forbade is a way out, beside the pure wheel.
+    final = [line.strip() for line in out.splitlines() if "cudelta: " in line][-1]
+    assert "Ways out: CUDELTA_DRIVER_CUDA=cpu installs the pure-Python wheel" in final
+    assert final.endswith("; unset CUDELTA_NO_BUILD to compile here.")
     assert "Traceback" not in out
     assert compiler_spy.compiles() == []
     assert not env.has("cudelta")
