@@ -44,6 +44,7 @@ HOSTILE: dict[str, list[str]] = {
     "offline": BOOLEAN_CASES,
     "release_build": BOOLEAN_CASES,
     "trust_downloaded_manifest": BOOLEAN_CASES,
+    "explain": BOOLEAN_CASES,
     "wheel_url": [
         "http://exa mple.com/r", "https://h.example/a b", "http://h/\x00", "http://h/\x7f", "https://h/\u00a0x",
         "https://h/\u200bx", "http://[::1", "http://h:99999/", "http://h:-1/", "http://h:port/", "http://",
@@ -118,7 +119,7 @@ def _or_unset(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 # Field -> what a parsed value must be to be usable where it is consumed.
 SANE: dict[str, Callable[[Any], bool]] = {
     **{name: (lambda v: type(v) is bool) for name in
-       ("force_build", "no_build", "offline", "release_build", "trust_downloaded_manifest")},
+       ("force_build", "no_build", "offline", "release_build", "trust_downloaded_manifest", "explain")},
     "wheel_url": _or_unset(_sane_url),
     "cache_dir": _or_unset(_sane_path),
     "driver_cuda": _or_unset(_sane_driver),
