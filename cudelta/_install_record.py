@@ -42,8 +42,9 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 SCHEMA = 2
 FILENAME = "cudelta_source.json"
 KINDS = ("prebuilt", "pure", "local")
-# The cure for a cached wheel, before the reinstall command (cudelta/_build_record.py REINSTALL).
-CLEAR_CACHE = "pip cache remove cudelta (uv: uv cache clean cudelta)"
+# The cure for a cached wheel, before each reinstall command (cudelta/_build_record.py's).
+CLEAR_PIP_CACHE = "pip cache remove cudelta"
+CLEAR_UV_CACHE = "uv cache clean cudelta"
 
 Version = Tuple[int, int]
 
@@ -234,12 +235,13 @@ class Finding:
     level: str  # "stale": this machine would choose differently | "notice": a better build exists
     why: str
 
-    def message(self, reinstall: str) -> str:
-        """The one line the loader says: what differs, then the cure."""
+    def message(self, pip_reinstall: str, uv_reinstall: str) -> str:
+        """The one line the loader says: what differs, then the cure, pip's and uv's (the reinstall
+        commands are cudelta/_build_record.py's)."""
+        cure = f"{CLEAR_PIP_CACHE} && {pip_reinstall} (uv: {CLEAR_UV_CACHE} && {uv_reinstall})"
         if self.level == "stale":
-            return (f"this install was chosen for another machine: {self.why}. Clear the cached wheel and "
-                    f"reinstall: {CLEAR_CACHE}, then {reinstall}")
-        return f"{self.why}; to switch: {CLEAR_CACHE}, then {reinstall}"
+            return f"this install was chosen for another machine: {self.why}. Clear the cached wheel and reinstall: {cure}"
+        return f"{self.why}; to switch: {cure}"
 
 
 def describe_machine(driver: Optional[Version], gpus: Sequence[Version]) -> str:

@@ -164,7 +164,7 @@ def read_install_record() -> Optional[dict]:
 def install_check(record: Optional[dict], machine: _install_record.Machine) -> Optional[str]:
     """The one line saying this machine would have chosen another install, with the cure; or None."""
     finding = _install_record.stale(record, machine) if record else None
-    return finding.message(REINSTALL) if finding else None
+    return finding.message(*_build_record.reinstall_commands()) if finding else None
 
 
 def driver_floor(info: dict) -> tuple[int, int]:

@@ -20,14 +20,15 @@ from conftest import ROOT, TAG, VERSION, clean_env, make_venv, pip_output, run
 pytestmark = pytest.mark.e2e
 
 
-def reinstall_command() -> str:
+def reinstall_commands() -> tuple[str, str]:
     spec = importlib.util.spec_from_file_location("tree_build_record", ROOT / "cudelta" / "_build_record.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.REINSTALL
+    return module.reinstall_commands()
 
 
-CURE = f"Clear the cached wheel and reinstall: pip cache remove cudelta (uv: uv cache clean cudelta), then {reinstall_command()}"
+PIP, UV = reinstall_commands()
+CURE = f"Clear the cached wheel and reinstall: pip cache remove cudelta && {PIP} (uv: uv cache clean cudelta && {UV})"
 
 
 def venv_with_torch_of(base, path: Path):

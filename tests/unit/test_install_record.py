@@ -27,8 +27,8 @@ ARCHS = ("sm_80", "sm_90a", "sm_100f", "sm_120f")
 CU129 = "cudelta-0.1.0+cu129-cp310-abi3-manylinux_2_28_x86_64.whl"
 CU130 = "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
 CU130_ARM = "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_aarch64.whl"
-CURE = ("pip cache remove cudelta (uv: uv cache clean cudelta), then "
-        "pip install --no-cache-dir --force-reinstall cudelta")
+PIP, UV = "pip install --no-deps cudelta", "uv pip install --no-deps cudelta"  # stand-ins for _build_record's
+CURE = f"pip cache remove cudelta && {PIP} (uv: uv cache clean cudelta && {UV})"
 
 
 def asset(name: str, cuda: str) -> Asset:
@@ -51,7 +51,7 @@ def prebuilt_record(target: TargetEnv) -> dict:
 
 def message(record: dict, machine: Machine):
     finding = reader.stale(record, machine)
-    return finding and (finding.level, finding.message("pip install --no-cache-dir --force-reinstall cudelta"))
+    return finding and (finding.level, finding.message(PIP, UV))
 
 
 # --- what the record holds --------------------------------------------------------------------
@@ -195,7 +195,9 @@ def test_the_loader_s_line_uses_the_reinstall_command_of_the_build_record():
 
     record = install_record.pure(replace(IMAGE_BUILD, driver_overridden=True), "CUDELTA_DRIVER_CUDA=cpu: ...")
     line = _native.install_check(record, H100_HOST)
-    assert "\n" not in line and line.endswith(f"uv cache clean cudelta), then {_build_record.REINSTALL}")
+    pip, uv = _build_record.reinstall_commands()
+    assert "\n" not in line and line.endswith(
+        f"Clear the cached wheel and reinstall: pip cache remove cudelta && {pip} (uv: uv cache clean cudelta && {uv})")
     assert _native.install_check(record, replace(H100_HOST, driver_cuda=None, gpus=())) is None
 
 
