@@ -134,6 +134,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("ncu_b1: needs an NVIDIA GPU", file=sys.stderr)
         return 2
+    from cudelta import _native
+
+    st = _native.status()  # loads the library: torch.ops.cudelta exists only after that
+    if not st.loaded:
+        print(f"ncu_b1: native library not loaded: {st.reason}", file=sys.stderr)
+        return 2
     if args.workload:
         bench("kda", {})
         return 0
