@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import _native
+from . import _build_record, _native
 from .reference import gdn_decode_reference
 
 
@@ -84,7 +84,7 @@ def gpu_report(index: int, run_smoke: bool) -> dict:
         built = ", ".join((st.build_info or {}).get("archs", []) + (st.build_info or {}).get("ptx", []))
         entry["image"] = None
         entry["error"] = (f"no kernel image for compute {props.major}.{props.minor} (built for {built}); fix: "
-                          f"FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST={props.major}.{props.minor} {_native.REINSTALL}")
+                          f"{_build_record.reinstall(f'FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST={props.major}.{props.minor}')}")
         return entry
     entry["image"] = {"cuda_arch": arch, "arch_specific": bool(arch_specific), "family_specific": bool(family)}
     names = {vid: name for name, vid in st.variants.items()}

@@ -107,7 +107,7 @@ def compatibility_problem(info: dict, torch_version: str, torch_cuda: Optional[s
     floor = info.get("torch_floor", "0")
     if _version_tuple(torch_version) < _version_tuple(floor):
         return (f"cudelta was built against the torch stable ABI of {floor}, but torch is {torch_version}; "
-                f"upgrade torch (pip install 'torch>={floor}') or rebuild: FORCE_BUILD=1 {REINSTALL}")
+                f"upgrade torch (pip install 'torch>={floor}') or rebuild: {_build_record.reinstall('FORCE_BUILD=1')}")
     need = driver_floor(info)
     if driver is not None and driver < need:
         built = info.get("cuda_toolkit", "?")
@@ -141,7 +141,7 @@ def _load() -> NativeStatus:
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as exc:
-        return NativeStatus(path, info, False, f"loading {path.name} failed: {exc}. Rebuild: FORCE_BUILD=1 {REINSTALL}")
+        return NativeStatus(path, info, False, f"loading {path.name} failed: {exc}. Rebuild: {_build_record.reinstall('FORCE_BUILD=1')}")
     _register_fake()
     table = _variant_table()
     return NativeStatus(path, info, True, "loaded", requested_variant(os.environ, table), table)

@@ -27,15 +27,28 @@ from envs import (  # noqa: E402,F401  (re-exported for the tests)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_cached_cudelta_wheels():
+def no_cached_cudelta_wheels(tmp_path_factory):
     """pip keeps the wheel it built from an sdist under the sdist's URL and serves it, unbuilt, to a
     later install that finds the same URL through --find-links. Temporary paths repeat across runs
     on one machine (pytest numbers its base folders anew once they are removed), so a wheel left by
-    an earlier run would stand in for the very build under test. No run starts with one."""
-    run([sys.executable, "-m", "pip", "cache", "remove", "cudelta"], check=False)
+    an earlier run would stand in for the very build under test. No run starts with one.
+
+    pip: each session gets a cache of its own whose HTTP part is the user's (torch and the build
+    requirements still download once per machine) and whose built-wheel part starts empty. Purging
+    the shared cache instead deleted, under a second test run on the same machine, the wheel its
+    pip had just built and was about to install. uv: its cudelta entries are cleaned."""
+    shared = Path(run([sys.executable, "-m", "pip", "cache", "dir"]).stdout.strip())
+    private = tmp_path_factory.mktemp("pip-cache")
+    for part in ("http-v2", "http"):
+        (shared / part).mkdir(parents=True, exist_ok=True)
+        (private / part).symlink_to(shared / part, target_is_directory=True)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PIP_CACHE_DIR", str(private))
     uv = find_uv()
     if uv:
         run([uv, "cache", "clean", "cudelta"], check=False)
+    yield private
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

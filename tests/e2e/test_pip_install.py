@@ -182,6 +182,10 @@ def test_no_build_without_a_matching_asset_fails_clearly_and_installs_nothing(ba
     assert proc.returncode != 0
     assert "the NVIDIA driver supports CUDA 12.8, older than the 13.0" in out
     assert "CUDELTA_NO_BUILD=1 forbids compiling" in out
+    # torch 2.14.1+cu130 and nvcc are here: the compile it forbade is a way out, beside the pure wheel.
+    final = [line.strip() for line in out.splitlines() if "cudelta: " in line][-1]
+    assert "Ways out: CUDELTA_DRIVER_CUDA=cpu installs the pure-Python wheel" in final
+    assert final.endswith("; unset CUDELTA_NO_BUILD to compile here.")
     assert "Traceback" not in out
     assert compiler_spy.compiles() == []
     assert not env.has("cudelta")
@@ -264,3 +268,28 @@ def test_a_cpu_arch_the_release_has_no_cuda_build_for_gets_the_pure_python_wheel
     assert not any(p.endswith(".whl") for p in server.paths()) and asset not in out
     record = installed_record(env)
     assert record["library"] is None and record["build"] is None
+
+
+@pytest.mark.parametrize("bad,line", [
+    ({"CUDELTA_HTTP_TIMEOUT": "inf", "CUDELTA_HTTP_DEADLINE": "inf"},
+     "cudelta: error: CUDELTA_HTTP_TIMEOUT='inf' is not accepted; expected a number of seconds from 0.1 to 3600"),
+    ({"CUDELTA_WHEEL_URL": "https://mirror .example/releases"},
+     "cudelta: error: CUDELTA_WHEEL_URL='https://mirror .example/releases' is not accepted (it holds a space "
+     "(U+0020) at position 15); expected an http://, https:// or file:// URL of the folder that holds the release "
+     "assets"),
+])
+def test_a_setting_no_one_can_mean_stops_the_install_in_one_line_before_any_work(
+        base_cu, fresh_venv, sdist_without_manifest, tmp_path, compiler_spy, bad, line):
+    # Before: inf ended in urllib3's OverflowError traceback; the space in the host failed later as
+    # "invalid URL" without naming the variable, and then compiled.
+    env = fresh_venv(base_cu)
+    e = clean_env(CUDELTA_CACHE_DIR=str(tmp_path / "cache"), **bad)
+    proc = env.pip("install", sdist_without_manifest, env=compiler_spy.path_env(e), check=False)
+    out = pip_output(proc)
+
+    assert proc.returncode != 0
+    assert [x.strip() for x in out.splitlines() if "cudelta:" in x] == [line]  # no target line: nothing ran
+    assert "Traceback" not in out
+    assert compiler_spy.compiles() == []
+    assert not (tmp_path / "cache").exists()
+    assert not env.has("cudelta")

@@ -17,6 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cudelta import _build_record  # noqa: E402  (the installed package: its hint is the library's)
+
 ALT = os.environ.get("CUDELTA_TEST_ALT_BUILDS")
 TESTS = Path(__file__).resolve().parents[1]  # tests/step_tolerance.py
 pytestmark = [
@@ -77,7 +79,7 @@ def test_a_gpu_without_an_image_gets_the_built_archs_and_the_fix_command():
     err = proc.stderr
     major, minor = torch.cuda.get_device_capability(0)
     assert "no kernel image for CUDA device 0" in err and "Built for sm_80" in err
-    assert f"FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST={major}.{minor} pip install --no-cache-dir --force-reinstall cudelta" in err
+    assert _build_record.reinstall(f"FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST={major}.{minor}") in err
     assert "undefined symbol" not in err
 
 

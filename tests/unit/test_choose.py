@@ -66,9 +66,9 @@ def test_arch_covers(arch, cc, covered):
 
 
 def test_arch_covers_rejects_junk():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^not a CUDA arch: 'sm_9'$"):
         arch_covers("sm_9", 9, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^not a CUDA arch: 'gfx90a'$"):
         arch_covers("gfx90a", 9, 0)
 
 
