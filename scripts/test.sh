@@ -3,7 +3,7 @@
 # lints the workflows (scripts/lint.sh), then runs everything that needs no GPU (unit, release build
 # + wheel checks, the release dry run, end-to-end pip installs).
 #   scripts/test.sh                      # all of it (~15 min on 2 cores, first run longer)
-#   scripts/test.sh -m "not e2e and not build"   # the fast unit tests only
+#   scripts/test.sh -m "not gpu and not e2e"   # the fast unit tests only
 # GPU tests (marker gpu) run on a GPU machine: pytest -m gpu tests/gpu, with cudelta installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
