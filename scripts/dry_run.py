@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,13 +69,20 @@ def human(size: int) -> str:
     return f"{size / 1e6:.2f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
 
 
-def run(out: Path, python: str, src: Path) -> int:
+def run(out: Path, python: str, src: Path, reuse_wheel: Optional[Path] = None) -> int:
     version = project_version()
     started = time.monotonic()
     ensure_zig(python)
     failures = []
     with tempfile.TemporaryDirectory(prefix="cudelta-dry-run-") as tmp:
-        wheel = build_cell.build(CELL_CUDA, Path(tmp), python, src)
+        if reuse_wheel is None:
+            wheel = build_cell.build(CELL_CUDA, Path(tmp), python, src)
+        else:
+            # Developer iteration on the install side only: the compile is what takes minutes, and
+            # a change outside kernels/ and csrc/ does not change the wheel. Everything after it
+            # (checks, manifest, index, the sdist of `src`) runs as in a real dry run.
+            wheel = Path(tmp) / reuse_wheel.name
+            shutil.copyfile(reuse_wheel, wheel)
         build_s = time.monotonic() - started
         checks, tools = check_wheel.check_wheel(wheel)
         failed = [c.name for c in checks if c.status == check_wheel.FAIL]
@@ -107,11 +115,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="new or empty folder for the release")
     parser.add_argument("--python", default=None, help="interpreter with torch that builds (see above)")
     parser.add_argument("--src", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--reuse-wheel", type=Path, default=None,
+                        help="a release wheel from an earlier dry run of the same kernels/csrc: skip the compile")
     args = parser.parse_args(argv)
     try:
         # abspath, not resolve(): a venv's python is a symlink whose target is outside the venv.
         python = os.path.abspath(args.python) if args.python else default_python()
-        return run(args.out.resolve(), python, args.src)
+        return run(args.out.resolve(), python, args.src, args.reuse_wheel)
     except (build_cell.CellError, assemble_release.AssembleError) as exc:
         print(f"dry_run: error: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ satisfied"), at the cost of seconds instead of a 5.5 GB copy per case.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -111,7 +112,11 @@ def dry_run(base_cu, tmp_path_factory):
     the PEP 503 index, then the sdist carrying the manifest). One run per session serves every
     end-to-end test."""
     out = tmp_path_factory.mktemp("dry-run") / "release"
-    proc = run([sys.executable, ROOT / "scripts" / "dry_run.py", "--out", out, "--python", base_cu.python],
+    # A developer iterating on the install side may reuse a release wheel built earlier (the
+    # compile is the slow part); CI never sets it, so every CI run compiles the release.
+    reuse = os.environ.get("CUDELTA_TEST_REUSE_RELEASE_WHEEL")
+    proc = run([sys.executable, ROOT / "scripts" / "dry_run.py", "--out", out, "--python", base_cu.python,
+                *(["--reuse-wheel", reuse] if reuse else [])],
                env=clean_env(), timeout=2400, check=False)
     assert proc.returncode == 0, f"dry_run.py exited {proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
     checks = json.loads((out.parent / "release-checks.json").read_text())
