@@ -72,6 +72,7 @@ class NetworkHints:
     proxy: Optional[Proxy]
     proxy_variables: str  # e.g. "HTTPS_PROXY (or PIP_PROXY) / NO_PROXY"
     trust: str  # e.g. "the system trust store (truststore)"
+    no_proxy_bypassed: bool = False  # a proxy is set, but NO_PROXY sends this URL direct
 
 
 DEFAULT_HINTS = NetworkHints(None, "HTTPS_PROXY (or PIP_PROXY) / NO_PROXY", "the default CA certificates")
@@ -96,7 +97,12 @@ class NetworkPolicy:
     def hints(self, url: str) -> NetworkHints:
         # The variables of the URL's own scheme: HTTPS_PROXY means nothing to an http mirror.
         scheme = "HTTP" if urlparse(url).scheme == "http" else "HTTPS"
-        return NetworkHints(self.proxy_for(url), f"{scheme}_PROXY (or PIP_PROXY) / NO_PROXY", self.trust.words())
+        proxy = self.proxy_for(url)
+        parsed = urlparse(url)
+        configured = self.https_proxy if parsed.scheme == "https" else self.http_proxy
+        bypassed = (proxy is None and configured is not None and not is_loopback(parsed.hostname)
+                    and parsed.scheme in ("http", "https"))
+        return NetworkHints(proxy, f"{scheme}_PROXY (or PIP_PROXY) / NO_PROXY", self.trust.words(), bypassed)
 
 
 def policy_from(settings: Settings) -> NetworkPolicy:

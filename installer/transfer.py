@@ -285,7 +285,7 @@ def describe_error(
         found = find(ssl.SSLError)
         detail = f" {getattr(found, 'reason', None) or ''}".rstrip() if found is not None else ""
         if isinstance(found, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(found):
-            return (f"TLS certificate not trusted{detail}: checked against {hints.trust}; for a private or "
+            return (f"TLS certificate not trusted ({detail.strip() or 'CERTIFICATE_VERIFY_FAILED'}): checked against {hints.trust}; for a private or "
                     f"corporate CA set {CA_HINT} to its PEM file")
         return f"TLS error{detail} (checked against {hints.trust}; a private CA: set {CA_HINT})"
     if find(requests.exceptions.ProxyError) is not None:
@@ -297,7 +297,9 @@ def describe_error(
         return f"could not go through {via}{why} (check {hints.proxy_variables})"
     if (found := find(NewConnectionError)) is not None:
         words = f"could not connect ({_reason_text(found)})"
-        if hints.proxy is None:
+        if hints.no_proxy_bypassed:
+            words += "; reached directly, as NO_PROXY says"
+        elif hints.proxy is None:
             words += f"; behind a proxy, set {hints.proxy_variables.split(' / ')[0]}"
         return words
     if find(requests.exceptions.ConnectTimeout, ConnectTimeoutError) is not None:

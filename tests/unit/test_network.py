@@ -236,3 +236,11 @@ def test_407_says_where_the_proxy_credentials_go(url, variable):
         f"; the proxy wants credentials: give them in {variable} as http://user:password@host:port")
     hints = NetworkHints(Proxy("http://p:1", "PIP_PROXY"), "", "x")
     assert "give them in PIP_PROXY" in status_hint(response, url, False, hints)
+
+
+def test_a_host_sent_direct_by_no_proxy_says_so_when_unreachable():
+    exc = requests.exceptions.ConnectionError(
+        __import__("urllib3").exceptions.NewConnectionError(None, "Name or service not known"))
+    hints = policy(HTTPS_PROXY="http://p:1", NO_PROXY=".corp").hints("https://mirror.corp/x")
+    assert describe_error(exc, 10, 30, hints).endswith("; reached directly, as NO_PROXY says")
+    assert not policy(HTTPS_PROXY="http://p:1").hints("https://127.0.0.1/x").no_proxy_bypassed
