@@ -70,6 +70,9 @@ class CappedRetry(Retry):
         return super().new(**kw)
 
     def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        if error is not None and any(isinstance(c, ssl.SSLCertVerificationError) for c in _causes(error)):
+            # A certificate not trusted now is not trusted in a second: say so at once, as 1 attempt.
+            raise error
         # A limit that resets later than the cap is not waited for at all: the caller gets this
         # response now and falls back (or says GITHUB_TOKEN) instead of sleeping through retries.
         header = response.headers.get("Retry-After") if response is not None else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ssl
 
 import pytest
-from conftest import BUILD_REQS, TAG, clean_env, pip_output
+from conftest import BUILD_REQS, TAG, clean_env, find_uv, pip_output, run
 from corp_proxy import DOMAIN, CorporateProxy
 from release_server import ReleaseServer
 from test_pip_install import asset_name, installed_record
@@ -146,6 +146,28 @@ def test_a_mirror_only_the_corporate_proxy_reaches_installs_through_it(
     print("proxy.py access log, CONNECT lines:", tunnels)
     assert f"{MIRROR_HOST}:{proxied_mirror.port}" in tunnels
     assert len(downloaded(proxied_mirror, asset)) == 2
+
+
+def test_uv_builds_in_its_own_venv_and_reaches_the_mirror_through_the_proxy_too(
+        fresh_venv, base_cu, sdist, build_wheelhouse, proxied_mirror, corp_proxy, private_ca, release_dir, tmp_path):
+    # uv's build venv has no pip to borrow a truststore from: the build requirement brings it.
+    uv = find_uv()
+    if uv is None:
+        pytest.fail("uv is not installed next to the test interpreter (scripts/test.sh installs it)")
+    env = fresh_venv(base_cu)
+    asset = asset_name(release_dir)
+    e = network_env(proxied_mirror, tmp_path, HTTPS_PROXY=corp_proxy.url, SSL_CERT_FILE=str(private_ca[0]))
+    proc = run([uv, "pip", "install", "--python", env.python, "-v", "--no-cache", "--no-deps", "--no-index",
+                "--find-links", build_wheelhouse, sdist], env=e, check=False)
+    out = pip_output(proc)
+    print("\n".join(line for line in out.splitlines() if "cudelta:" in line))
+
+    assert proc.returncode == 0, out
+    assert (f"reaching {MIRROR_HOST} through the proxy {corp_proxy.url} (HTTPS_PROXY), trusting "
+            f"{private_ca[0]} (SSL_CERT_FILE) and the system trust store (truststore)") in out
+    assert f"installing prebuilt {asset}" in out
+    assert installed_record(env)["build"]["build"] == "release"
+    assert f"{MIRROR_HOST}:{proxied_mirror.port}" in corp_proxy.connects(wait_for=MIRROR_HOST)
 
 
 def test_without_a_proxy_variable_the_mirror_behind_the_proxy_is_out_of_reach(

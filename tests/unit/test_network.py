@@ -3,6 +3,8 @@ which variables, on every hop, and what a failure says for the URL's scheme."""
 
 import hashlib
 import ssl
+import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -14,6 +16,11 @@ from installer.errors import FetchError, SettingsError
 from installer.network import NetworkHints, Proxy, policy_from
 from installer.settings import Settings
 from installer.transfer import describe_error, status_hint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_make_release beside this file
+from test_make_release import load_module  # noqa: E402
+
+ReleaseServer = load_module("release_server", Path(__file__).resolve().parents[1] / "e2e" / "release_server.py").ReleaseServer
 
 NAME = "cudelta-0.1.0-cp310-abi3-manylinux_2_28_x86_64.whl"
 BODY = b"PK\x03\x04 not really a wheel " * 100
@@ -244,3 +251,22 @@ def test_a_host_sent_direct_by_no_proxy_says_so_when_unreachable():
     hints = policy(HTTPS_PROXY="http://p:1", NO_PROXY=".corp").hints("https://mirror.corp/x")
     assert describe_error(exc, 10, 30, hints).endswith("; reached directly, as NO_PROXY says")
     assert not policy(HTTPS_PROXY="http://p:1").hints("https://127.0.0.1/x").no_proxy_bypassed
+
+
+def test_a_real_tls_mirror_is_trusted_with_its_ca_file_and_refused_at_once_without(tmp_path, ca_files):
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    (tmp_path / "rel").mkdir()
+    (tmp_path / "rel" / NAME).write_bytes(BODY)
+    with ReleaseServer(tmp_path, ssl_context=server_context) as server:
+        server.add_release("v0.1.0", tmp_path / "rel")
+        base = server.base_url("v0.1.0")
+        with pytest.raises(FetchError) as err:
+            fetcher(tmp_path, [], CUDELTA_HTTP_RETRIES="4", PIP_CERT=str(ca_files["pip"])).fetch_asset(
+                base, NAME, SHA, len(BODY))  # another CA's file: still not this server's
+        assert "TLS certificate not trusted (CERTIFICATE_VERIFY_FAILED)" in str(err.value)
+        assert str(err.value).endswith("(1 attempt)")  # not retried
+        path = fetcher(tmp_path, [], PIP_CERT=str(tmp_path / "ca.pem")).fetch_asset(base, NAME, SHA, len(BODY))
+        assert path.read_bytes() == BODY
