@@ -78,8 +78,9 @@ MAX_JSON_BYTES = 16 * 1000 * 1000
 class Fetcher:
     """Fetches release files, holding the HTTP session and the retry policy of one install.
 
-    A `session` given by the caller (proxies, certificates, tests) gets the retrying adapters
-    mounted for http and https, so the policy holds whatever the session. The keyword arguments
+    A `session` given by the caller (tests) gets the retrying network adapter mounted for http and
+    https and its trust_env turned off, so the retry policy, the proxies and the certificates of
+    installer/network.py hold whatever the session. The keyword arguments
     after it exist for tests (small bounds, no backoff); an install uses the defaults.
     """
 

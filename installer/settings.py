@@ -145,8 +145,12 @@ def parse_manifest_file(name: str, raw: str) -> Path:
 
 def parse_ca_path(name: str, raw: str) -> Path:
     """A CA bundle (PEM file) or a folder of hashed certificates, as pip, requests and OpenSSL take."""
-    path = Path(raw.strip()).expanduser()
-    if not path.exists():
+    try:
+        path = Path(raw.strip()).expanduser()
+        exists = path.exists()
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a name too long, ~nosuchuser
+        exists = False
+    if not exists:
         raise SettingsError(
             f"{name}={raw!r} is not an existing file or folder; expected the path of a PEM file of CA "
             "certificates (or a folder of them)"
@@ -159,14 +163,13 @@ def parse_proxy_url(name: str, raw: str) -> str:
     value = raw.strip()
     if "://" not in value:
         value = "http://" + value
-    parsed = urlparse(value)
     try:
-        parsed.port  # noqa: B018  (raises on a port that is not a number)
-        bad_port = False
-    except ValueError:
-        bad_port = True
-    if (parsed.scheme not in {"http", "https", "socks4", "socks4a", "socks5", "socks5h"} or not parsed.hostname
-            or bad_port or any(c.isspace() or ord(c) < 32 for c in value)):
+        parsed = urlparse(value)
+        parsed.port  # noqa: B018  (raises on a port that is not a number or out of range)
+        usable = parsed.scheme in {"http", "https", "socks4", "socks4a", "socks5", "socks5h"} and bool(parsed.hostname)
+    except ValueError:  # also '[::1' and other broken hosts
+        usable = False
+    if not usable or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in value):
         raise SettingsError(
             f"{name} is not accepted ({_without_password(raw)!r}); expected a proxy URL such as "
             "http://proxy.example:3128 or http://user:password@proxy.example:3128"
@@ -186,7 +189,7 @@ def _without_password(raw: str) -> str:
 def parse_no_proxy(name: str, raw: str) -> tuple[str, ...]:
     """NO_PROXY: hosts, domains ('.corp'), IPs or networks, ':port' optional, separated by ',' or spaces."""
     entries = tuple(e for e in raw.replace(",", " ").split() if e)
-    bad = [e for e in entries if any(ord(c) < 32 for c in e)]
+    bad = [e for e in entries if any(ord(c) < 32 or ord(c) == 127 for c in e)]
     if bad:
         raise SettingsError(
             f"{name}={raw!r} is not accepted; expected host names, domains, IP addresses or networks "

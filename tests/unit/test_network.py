@@ -95,7 +95,8 @@ def test_no_proxy_covers_domains_networks_and_ports(no_proxy, url, direct):
         assert (proxy_of(url, **env) is None) is direct
 
 
-@pytest.mark.parametrize("raw", ["ftp://proxy:21", "http://proxy:port", "http://", "http://pro xy:3128", "http://p\t:1"])
+@pytest.mark.parametrize("raw", ["ftp://proxy:21", "http://proxy:port", "http://", "http://pro xy:3128", "http://p\t:1",
+                                 "http://[::1:3128", "http://proxy:99999", "http://p\x00:1"])
 def test_a_bad_proxy_is_refused_by_name(raw):
     with pytest.raises(SettingsError, match=r"^HTTPS_PROXY is not accepted .*expected a proxy URL"):
         Settings.from_env({"HTTPS_PROXY": raw})
@@ -133,6 +134,14 @@ def test_ca_files_are_taken_in_pips_order(ca_files):
 def test_a_ca_file_that_is_not_there_is_refused_by_name(name, tmp_path):
     with pytest.raises(SettingsError, match=rf"^{name}='{tmp_path}/nope.pem' is not an existing file or folder"):
         Settings.from_env({name: str(tmp_path / "nope.pem")})
+    for hostile in ("ca\x00.pem", "x" * 5000, "~no-such-user-here/ca.pem"):
+        with pytest.raises(SettingsError, match=rf"^{name}=.* is not an existing file or folder"):
+            Settings.from_env({name: hostile})
+
+
+def test_no_proxy_with_a_control_character_is_refused():
+    with pytest.raises(SettingsError, match=r"^NO_PROXY=.* is not accepted; expected host names"):
+        Settings.from_env({"NO_PROXY": "corp.example,\x1b[31m"})
 
 
 def test_the_system_trust_store_is_used_when_truststore_is_there(ca_files):
