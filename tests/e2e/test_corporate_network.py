@@ -66,7 +66,9 @@ def corp_proxy(tmp_path):
 
 
 def network_env(mirror, tmp_path, **extra):
-    env = clean_env(CUDELTA_WHEEL_URL=mirror.base_url(TAG), CUDELTA_CACHE_DIR=str(tmp_path / "cache"))
+    # CUDELTA_NO_BUILD: a download that fails fails the install at once, instead of a long compile.
+    env = clean_env(CUDELTA_WHEEL_URL=mirror.base_url(TAG), CUDELTA_CACHE_DIR=str(tmp_path / "cache"),
+                    CUDELTA_NO_BUILD="1")
     for name in NETWORK_VARIABLES:
         env.pop(name, None)
     env.update(extra)
@@ -112,7 +114,7 @@ def test_an_https_mirror_signed_by_a_private_ca_installs_with_the_ca_given_the_p
 def test_without_the_private_ca_the_mirror_is_not_trusted_and_nothing_is_installed(
         base_cu, fresh_venv, sdist, build_wheelhouse, tls_mirror, release_dir, tmp_path):
     env = fresh_venv(base_cu)
-    proc = install(env, sdist, build_wheelhouse, network_env(tls_mirror, tmp_path, CUDELTA_NO_BUILD="1"),
+    proc = install(env, sdist, build_wheelhouse, network_env(tls_mirror, tmp_path),
                    isolation=True, check=False)
     out = pip_output(proc)
     print("\n".join(line for line in out.splitlines() if "cudelta:" in line))
@@ -177,7 +179,7 @@ def test_without_a_proxy_variable_the_mirror_behind_the_proxy_is_out_of_reach(
     env = fresh_venv(base_cu)
     for extra, hint in (({}, "behind a proxy, set HTTPS_PROXY (or PIP_PROXY)"),
                         ({"HTTPS_PROXY": corp_proxy.url, "NO_PROXY": f".{DOMAIN}"}, "reached directly, as NO_PROXY says")):
-        e = network_env(proxied_mirror, tmp_path, PIP_CERT=str(private_ca[0]), CUDELTA_NO_BUILD="1", **extra)
+        e = network_env(proxied_mirror, tmp_path, PIP_CERT=str(private_ca[0]), **extra)
         proc = install(env, sdist, build_wheelhouse, e, isolation=True, check=False)
         out = pip_output(proc)
         print("\n".join(line for line in out.splitlines() if "cudelta:" in line))
