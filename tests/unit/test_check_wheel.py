@@ -125,7 +125,7 @@ def test_ptx_listing_name(ptx, listed):
 
 @pytest.mark.parametrize("bad", ["sm80", "compute_120", "sm_100x", ""])
 def test_elf_listing_name_rejects_what_is_not_a_cubin(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=rf"^{bad!r} is not a cubin arch \(sm_80, sm_90a, sm_100f\)$"):
         cw.elf_listing_name(bad)
 
 
@@ -183,7 +183,7 @@ def test_coverage_finds_missing_partial_and_unclaimed_images():
 
 
 def test_parse_list_rejects_an_unknown_name_format():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unexpected cuobjdump --list-elf line: 'ELF file    1: gdn_decode.cubin'"):
         cw.parse_cuobjdump_list("ELF file    1: gdn_decode.cubin\n", "elf")
 
 
@@ -229,7 +229,7 @@ def test_parse_objdump_versions_without_parentheses():
 def test_version_tuple_orders_numerically():
     assert cw.version_tuple("2.2.5") < cw.version_tuple("2.14") < cw.version_tuple("2.28") < cw.version_tuple("2.34")
     assert cw.version_tuple("3.4.9") < cw.version_tuple("3.4.21") <= cw.version_tuple("3.4.24")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'PRIVATE'"):
         cw.version_tuple("PRIVATE")
 
 
@@ -274,7 +274,7 @@ def test_parse_wheel_filename():
     parts = cw.parse_wheel_filename("cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl")
     assert parts == {"name": "cudelta", "version": "0.1.0+cu130", "build": None, "python": "cp310",
                      "abi": "abi3", "platform": "manylinux_2_28_x86_64"}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"'cudelta-0.1.0.tar.gz' is not a wheel filename \(name-version-python"):
         cw.parse_wheel_filename("cudelta-0.1.0.tar.gz")
 
 

@@ -129,8 +129,10 @@ def test_parse_probe_json():
     assert facts.torch_dir == "/v/lib/torch" and not facts.free_threaded
     ft = interpreter.parse_probe_json(probe_doc(python_version=[3, 13], abiflags="t", gil_disabled=True, torch=None))
     assert ft.free_threaded and ft.abiflags == "t" and ft.torch_dir is None
-    for bad in ["", "not json", json.dumps({"probe": 2}), probe_doc(python_version="3.11")]:
-        with pytest.raises(ValueError):
+    for bad, why in [("", "probe printed no JSON"), ("not json", "probe printed no JSON"),
+                     (json.dumps({"probe": 2}), "probe printed an unexpected document"),
+                     (probe_doc(python_version="3.11"), "probe output lacks")]:
+        with pytest.raises(ValueError, match=why):
             interpreter.parse_probe_json(bad)
 
 

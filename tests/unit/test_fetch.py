@@ -727,7 +727,7 @@ def test_the_retry_policy_of_a_fetch_carries_its_deadline(tmp_path):
 # -- the cache lock: announced, bounded, then a private download ----------------------------------
 
 
-def hold_lock(tmp_path, owner="pid 4242 on buildhost since 10:00:00"):
+def hold_lock(tmp_path, owner="pid 4242 on buildhost since 10:00:00\nverifying its cached copy of x.whl"):
     folder = tmp_path / "cache" / SHA
     folder.mkdir(parents=True, exist_ok=True)
     (folder / fetch.LOCK_OWNER_NAME).write_text(owner + "\n")
@@ -747,8 +747,9 @@ def test_a_held_lock_is_announced_bounded_and_bypassed(tmp_path, mocked):
         lock.release()
     folder = tmp_path / "cache" / SHA
     assert logs[0] == (f"waiting up to 0.2 s for the download cache lock {folder / '.lock'}, held by pid 4242 "
-                       f"on buildhost since 10:00:00 (another install fetching {NAME})")
-    assert logs[1] == (f"{folder / '.lock'} is still held after 0.2 s; downloading {NAME} into a private "
+                       "on buildhost since 10:00:00, which is verifying its cached copy of x.whl")
+    assert logs[1] == (f"{folder / '.lock'} is still held after 0.2 s (by pid 4242 on buildhost since 10:00:00, "
+                       f"which is verifying its cached copy of x.whl); downloading {NAME} into a private "
                        "temporary folder instead (the cache is left to the other install)")
     assert path.read_bytes() == BODY and path.name == NAME and folder not in path.parents
     assert cache_entries(tmp_path) == [fetch.LOCK_OWNER_NAME]  # the holder's; nothing of ours
@@ -776,7 +777,18 @@ def test_an_unknown_holder_is_said_so(tmp_path, mocked):
         make_fetcher(tmp_path, logs, lock_wait=0.05).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
     finally:
         lock.release()
-    assert "held by a process that did not say (another install" in logs[0]
+    assert logs[0].endswith("held by a process that did not say (it does not say what it is doing)")
+
+
+def test_a_holder_of_an_older_version_is_named_without_a_phase(tmp_path, mocked):
+    mocked.add(responses.GET, MIRROR_URL, body=BODY)
+    lock = hold_lock(tmp_path, owner="pid 7 on oldhost since 09:00:00")  # one line: no phase written
+    logs = []
+    try:
+        make_fetcher(tmp_path, logs, lock_wait=0.05).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
+    finally:
+        lock.release()
+    assert logs[0].endswith("held by pid 7 on oldhost since 09:00:00 (it does not say what it is doing)")
 
 
 def test_the_lock_owner_is_recorded_while_held_and_removed_after(tmp_path, mocked):
@@ -788,7 +800,9 @@ def test_the_lock_owner_is_recorded_while_held_and_removed_after(tmp_path, mocke
 
     mocked.add_callback(responses.GET, MIRROR_URL, callback=body)
     make_fetcher(tmp_path).fetch_asset(MIRROR_BASE, NAME, SHA, len(BODY))
-    assert seen and seen[0].startswith(f"pid {os.getpid()} on {socket.gethostname()} since ")
+    who, doing = seen[0].splitlines()
+    assert who.startswith(f"pid {os.getpid()} on {socket.gethostname()} since ")
+    assert doing == f"downloading {NAME}"  # the request is being made: no byte has come yet
     assert cache_entries(tmp_path) == [NAME]
 
 

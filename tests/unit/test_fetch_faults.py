@@ -226,13 +226,15 @@ def start_child(tmp_path: Path, server) -> subprocess.Popen:
 
 
 def wait_for_lock_owner(tmp_path: Path, child: subprocess.Popen) -> str:
+    """Who holds the lock, once the holder says bytes are coming in."""
     owner = tmp_path / "cache" / SHA / LOCK_OWNER_NAME
     deadline = time.monotonic() + 8
     while time.monotonic() < deadline and child.poll() is None:
-        if owner.exists() and owner.read_text().strip():
-            return owner.read_text().strip()
+        lines = owner.read_text().splitlines() if owner.exists() else []
+        if len(lines) == 2 and lines[1].startswith(f"downloading {NAME} ("):
+            return lines[0]
         time.sleep(0.02)
-    raise AssertionError(f"the child never took the lock: {child.communicate(timeout=5)[0]}")
+    raise AssertionError(f"the child never said it was downloading: {child.communicate(timeout=5)[0]}")
 
 
 def test_a_lock_held_too_long_is_announced_then_bypassed_with_a_private_download(tmp_path, server):
@@ -247,9 +249,16 @@ def test_a_lock_held_too_long_is_announced_then_bypassed_with_a_private_download
         path = fetcher.fetch_asset(server.base_url(TAG), NAME, SHA, SIZE)
         took = time.monotonic() - started
         lock = tmp_path / "cache" / SHA / LOCK_NAME
-        assert logs[0] == (f"waiting up to 0.5 s for the download cache lock {lock}, held by {owner} "
-                           f"(another install fetching {NAME})")
-        assert logs[1].startswith(f"{lock} is still held after 0.5 s; downloading {NAME} into a private")
+        # The holder's own words, how far it had got when each line was written.
+        assert re.fullmatch(rf"waiting up to 0\.5 s for the download cache lock {re.escape(str(lock))}, held by "
+                            rf"{re.escape(owner)}, which is downloading {re.escape(NAME)} \((\d+) KB of 300 KB\)",
+                            logs[0]), logs[0]
+        assert re.fullmatch(rf"{re.escape(str(lock))} is still held after 0\.5 s \(by {re.escape(owner)}, which is "
+                            rf"downloading {re.escape(NAME)} \(\d+ KB of 300 KB\)\); downloading {re.escape(NAME)} "
+                            r"into a private temporary folder instead \(the cache is left to the other install\)",
+                            logs[1]), logs[1]
+        got = [int(re.search(r"\((\d+) KB of", line).group(1)) for line in logs[:2]]
+        assert 0 < got[0] < got[1] < 300, got  # updated as it goes
         assert path.read_bytes() == DATA and took < 2.0
         assert tmp_path / "cache" not in path.parents  # nothing of ours where the cache could use it
         assert child.poll() is None, "the child finished before the private download; nothing was contended"

@@ -4,7 +4,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from cudelta import _native  # noqa: E402
+from cudelta import _build_record, _native  # noqa: E402
+from decode_loop import inputs, loop_reference  # noqa: E402
+from kernel_table import variant_table  # noqa: E402
 
 INFO = {"cuda_toolkit": "13.0", "archs": ["sm_80", "sm_90a"], "ptx": ["compute_120"], "torch_floor": "2.10"}
 
@@ -17,7 +19,7 @@ def test_any_cuda_build_of_torch_above_the_floor_loads_it():
 
 def test_a_driver_older_than_the_toolkit_major_names_both_and_the_reinstall_command():
     msg = _native.compatibility_problem(INFO, "2.11.0+cu128", "12.8", (12, 8))
-    assert "CUDA 12.8" in msg and ">= 13.0" in msg and "--force-reinstall" in msg and "--no-cache-dir" in msg
+    assert "CUDA 12.8" in msg and ">= 13.0" in msg and _build_record.REINSTALL in msg and "--no-deps" in msg
 
 
 def test_an_unseen_driver_is_not_a_reason_to_refuse():
@@ -38,30 +40,49 @@ def test_cpu_torch_cannot_use_the_cuda_library():
     assert "CPU build" in _native.compatibility_problem(INFO, "2.13.0+cpu", None, (13, 0))
 
 
-# The shape of the library's table (cudelta::variants, kernels/launch.h); the library is not built here.
-TABLE = {"warp": 0}
+# The library's own table (kernels/launch.h kVariants, served as cudelta::variants); no library is built here.
+TABLE = variant_table()
 
 
-@pytest.mark.parametrize("raw,expected", [("", -1), ("auto", -1), ("warp", 0), ("WARP", 0), (" warp ", 0)])
-def test_kernel_variant_variable(raw, expected):
-    assert _native.requested_variant({"CUDELTA_KERNEL_VARIANT": raw}, TABLE) == expected
+def test_the_table_read_from_the_header_has_every_variant_in_id_order():
+    # launch.h's static_assert keeps kVariants in id order; the ids are what the ops take.
+    assert list(TABLE.values()) == list(range(len(TABLE)))
+    assert "warp" in TABLE
 
 
-def test_bad_kernel_variant_names_the_accepted_values():
-    with pytest.raises(ValueError, match="CUDELTA_KERNEL_VARIANT='sm100'.*auto, warp"):
+@pytest.mark.parametrize("name", list(TABLE))
+def test_every_variant_of_the_library_can_be_requested_in_any_case(name):
+    assert _native.requested_variant({"CUDELTA_KERNEL_VARIANT": name.upper()}, TABLE) == TABLE[name]
+
+
+@pytest.mark.parametrize("raw", ["", "auto", " AUTO "])
+def test_auto_or_unset_lets_the_library_choose(raw):
+    assert _native.requested_variant({"CUDELTA_KERNEL_VARIANT": raw}, TABLE) == -1
+    assert _native.requested_variant({}, TABLE) == -1
+
+
+def test_bad_kernel_variant_names_every_accepted_value():
+    with pytest.raises(ValueError) as err:
         _native.requested_variant({"CUDELTA_KERNEL_VARIANT": "sm100"}, TABLE)
+    assert str(err.value) == (f"CUDELTA_KERNEL_VARIANT='sm100' is not accepted; expected one of: auto, "
+                              f"{', '.join(TABLE)}")
 
 
-def test_source_tree_has_no_library_and_cpu_tensors_use_the_reference():
+def test_cpu_tensors_get_the_decode_step_with_or_without_a_library():
     import torch
 
     import cudelta
 
-    q = torch.randn(1, 1, 64)
-    state = torch.zeros(2, 1, 64, 64)
-    out = cudelta.gdn_decode(q, q, torch.randn(1, 1, 64), torch.zeros(1, 1), torch.ones(1, 1), state,
-                             torch.tensor([1]))
-    assert out.shape == (1, 1, 64) and state[1].abs().sum() > 0 and state[0].abs().sum() == 0
+    q, k, v, g, beta, state, idx = inputs()
+    before = state.clone()
+    expected_state = state.clone()
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 64 ** -0.5, False)
+    out = cudelta.gdn_decode(q, k, v, g, beta, state, idx)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+    assert torch.all(out[1] == 0) and torch.all(out[4] == 0)  # slots -1 and 9 (>= P): skipped
+    for s in (1, 2, 4, 5):
+        assert torch.equal(state[s], before[s])
 
 
 def test_the_reference_notice_comes_once():
@@ -82,18 +103,15 @@ def test_the_reference_notice_comes_once():
     assert len(notices) == 1
 
 
-def test_kda_on_cpu_runs_the_per_channel_reference():
+def test_kda_on_cpu_decays_each_channel():
     import torch
 
     import cudelta
-    from cudelta.reference import kda_decode_reference
 
-    gen = torch.Generator().manual_seed(3)
-    q, k = torch.randn(2, 1, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
-    v, g = torch.randn(2, 2, 64, generator=gen), -torch.rand(2, 2, 64, generator=gen)
-    beta, state = torch.rand(2, 2, generator=gen), torch.randn(3, 2, 64, 64, generator=gen)
-    ref_state = state.clone()
-    expected = kda_decode_reference(q, k, v, g, beta, ref_state, torch.tensor([2, 0]))
-    out = cudelta.kda_decode(q, k, v, g, beta, state, torch.tensor([2, 0]))
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(state, ref_state)
+    q, k, v, g, beta, state, idx = inputs(kda=True)
+    assert g.shape == (5, 4, 64)  # a log-decay per channel
+    expected_state = state.clone()
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 0.5, True)
+    out = cudelta.kda_decode(q, k, v, g, beta, state, idx, scale=0.5, use_qk_l2norm=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,11 @@
-from installer.platform_tag import glibc_versions, manylinux_tag
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from installer.platform_tag import glibc_versions, manylinux_tag, release_platform, required_glibc
 
 OBJDUMP = """
 0000000000000000      DF *UND*	0000000000000000 (GLIBC_2.34) dlsym
@@ -16,12 +23,41 @@ def test_tag_from_the_newest_requirement():
     assert manylinux_tag(max(glibc_versions(OBJDUMP)), "x86_64") == "manylinux_2_34_x86_64"
 
 
-def test_the_lowest_tag_claimed_is_manylinux_2_28():
-    # dlsym@2.2.5 alone would allow 2_17, but GLIBCXX_3.4.21 (GCC >= 5) needs 2_24 by auditwheel's
-    # policy, and 2_28 is what release builds link against (installer/glibc_floor.py).
+def _library(tmp_path, name: str, source: str) -> Path:
+    if not (shutil.which("gcc") and shutil.which("objdump")):
+        pytest.skip("needs gcc and objdump")
+    (tmp_path / f"{name}.c").write_text(source)
+    lib = tmp_path / f"{name}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", lib, tmp_path / f"{name}.c"], check=True)
+    return lib
+
+
+def test_a_library_that_needs_older_glibc_still_claims_manylinux_2_28(tmp_path):
+    # Its symbols would allow a lower tag, but the C++ runtime parts (GLIBCXX_3.4.21 from GCC >= 5)
+    # need manylinux_2_24 by auditwheel's policy, and 2_28 is what release builds link against
+    # (installer/glibc_floor.py): the claim is never below that.
+    lib = _library(tmp_path, "old", "int answer(void) { return 42; }\n")
+    assert all(v < (2, 28) for v in glibc_versions(subprocess.run(["objdump", "-T", lib], capture_output=True,
+                                                                   text=True, check=True).stdout))
+    assert required_glibc([lib]) == (2, 28)
+    assert manylinux_tag(required_glibc([lib]), "x86_64") == release_platform("x86_64") == "manylinux_2_28_x86_64"
+
+
+def test_a_library_that_needs_newer_glibc_claims_what_it_needs(tmp_path):
+    if tuple(map(int, platform.libc_ver()[1].split(".")[:2])) < (2, 34):
+        pytest.skip("dlsym moved into libc (GLIBC_2.34) only from glibc 2.34")
+    old = _library(tmp_path, "old", "int answer(void) { return 42; }\n")
+    new = _library(tmp_path, "new", '#include <dlfcn.h>\nvoid *find(void) { return dlsym(0, "x"); }\n')
+    assert required_glibc([old, new]) == (2, 34)
+    assert required_glibc([tmp_path / "missing.so"]) is None  # objdump fails: no claim at all
+
+
+def test_the_release_links_against_the_glibc_it_claims():
+    from installer.glibc_floor import zig_target
     from installer.platform_tag import MANYLINUX_FLOOR
 
-    assert MANYLINUX_FLOOR == (2, 28)
+    assert zig_target("x86_64").endswith(f".{MANYLINUX_FLOOR[0]}.{MANYLINUX_FLOOR[1]}")
+    assert release_platform("aarch64").startswith(f"manylinux_{MANYLINUX_FLOOR[0]}_{MANYLINUX_FLOOR[1]}_")
 
 
 def test_unversioned_required_symbols_and_defined_ones():
@@ -84,7 +120,7 @@ def test_zig_targets_and_a_missing_stub(tmp_path):
 
     assert zig_target("x86_64") == "x86_64-linux-gnu.2.28"
     assert zig_target("arm64") == "aarch64-linux-gnu.2.28"
-    with pytest.raises(InstallerError):
+    with pytest.raises(InstallerError, match="no glibc floor for machine 'ppc64le'; release wheels are x86_64 or"):
         zig_target("ppc64le")
     with pytest.raises(InstallerError, match="no libc stub"):
         stub_folder({}, tmp_path / "stubs")

@@ -1,7 +1,8 @@
 """The PyTorch reference against a per-request, per-head float64 loop written straight from the decode
 step in ARCHITECTURE.md."""
 
-import math
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,102 +10,91 @@ torch = pytest.importorskip("torch")
 
 import cudelta  # noqa: E402
 from cudelta.reference import (  # noqa: E402
+    HEAD_DIMS,
     gdn_decode_reference,
     gdn_gate,
     kda_decode_reference,
     kda_gate,
 )
+from decode_loop import inputs, loop_reference, raw_gates  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/step_tolerance.py
+from step_tolerance import assert_each_element_close, step_magnitudes  # noqa: E402
 
 
-def softplus20(x: float) -> float:
-    return x if x > 20 else math.log1p(math.exp(x))
+def assert_untouched_slots_bit_identical(state, before, idx, lowest=0):
+    named = {int(s) for s in idx.tolist() if lowest <= s < state.shape[0]}
+    untouched = [s for s in range(state.shape[0]) if s not in named]
+    assert untouched and torch.equal(state[untouched], before[untouched]), "a slot not named by idx changed"
 
 
-def loop_gates(g, beta, a, b, A_log, dt_bias):
-    """float64 log-decay and beta, from the precomputed or the raw form, element by element."""
-    if g is None:
-        g = torch.empty(a.shape, dtype=torch.float64)
-        for i in range(a.numel()):
-            n, hv, *kk = torch.unravel_index(torch.tensor(i), a.shape)
-            bias = dt_bias[hv, kk[0]] if kk else dt_bias[hv]
-            g.view(-1)[i] = -math.exp(float(A_log[hv])) * softplus20(float(a.reshape(-1)[i]) + float(bias))
-    if beta is None:
-        beta = 1.0 / (1.0 + torch.exp(-b.double()))
-    return g.double(), beta.double()
+SERVED_HEAD_DIMS = [(K, V) for K in HEAD_DIMS for V in HEAD_DIMS]
+# The fp32 reference against float64, element by element (tests/step_tolerance.py): a sum over K
+# in fp32 is off by a few eps32 of the sum of its |terms|; 4e-6 is 32 eps32.
+REFERENCE_REL = 4e-6
 
 
-def loop_reference(q, k, v, g, beta, state, idx, scale, l2norm, layout="kv", lowest=0, a=None, b=None, A_log=None,
-                   dt_bias=None):
-    g, beta = loop_gates(g, beta, a, b, A_log, dt_bias)
-    N, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    out = torch.zeros(N, HV, V, dtype=v.dtype)
-    for n in range(N):
-        s = int(idx[n])
-        if s < lowest or s >= state.shape[0]:
-            continue
-        for hv in range(HV):
-            h_ = hv // (HV // H)
-            qq, kk = q[n, h_].double(), k[n, h_].double()
-            if l2norm:
-                qq = qq / torch.sqrt((qq * qq).sum() + 1e-6)
-                kk = kk / torch.sqrt((kk * kk).sum() + 1e-6)
-            qq = qq * scale
-            h = state[s, hv].double()
-            if layout == "vk":
-                h = h.T
-            gg = g[n, hv]
-            h = h * (torch.exp(gg)[:, None] if gg.dim() == 1 else torch.exp(gg))
-            u = beta[n, hv] * (v[n, hv].double() - h.T @ kk)
-            h = h + torch.outer(kk, u)
-            out[n, hv] = (h.T @ qq).to(v.dtype)
-            state[s, hv] = (h.T if layout == "vk" else h).to(state.dtype)
-    return out
-
-
-def inputs(N=5, H=2, HV=4, K=64, V=64, P=7, kda=False, layout="kv", state_dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(N, H, K, generator=gen), torch.randn(N, H, K, generator=gen)
-    v = torch.randn(N, HV, V, generator=gen)
-    g = -torch.rand(N, HV, K, generator=gen) if kda else -torch.rand(N, HV, generator=gen)
-    beta = torch.rand(N, HV, generator=gen)
-    shape = (P, HV, K, V) if layout == "kv" else (P, HV, V, K)
-    state = (torch.randn(*shape, generator=gen) * 0.1).to(state_dtype)
-    idx = torch.tensor([3, -1, 0, 6, 9][:N])  # -1 and 9 (>= P) are skipped
-    return q, k, v, g, beta, state, idx
-
-
-def raw_gates(N, HV, K, kda, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(N, HV, K, generator=gen) * 3 if kda else torch.randn(N, HV, generator=gen) * 3
-    a.view(-1)[0] = 25.0  # above softplus' threshold: softplus(x) = x there
-    A_log = torch.randn(HV, generator=gen) * 0.5
-    dt_bias = torch.randn(HV, K, generator=gen) if kda else torch.randn(HV, generator=gen)
-    b = torch.randn(N, HV, generator=gen) * 2
-    return a, b, A_log, dt_bias
+def assert_matches_the_loop(out, state, expected, expected_state, mags):
+    assert_each_element_close(out, expected, mags.out, "output", rel=REFERENCE_REL)
+    assert_each_element_close(state, expected_state, mags.state, "state", rel=REFERENCE_REL)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("l2norm", [True, False])
-@pytest.mark.parametrize("K,V", [(64, 64), (128, 64), (64, 256)])
+@pytest.mark.parametrize("K,V", SERVED_HEAD_DIMS)
 def test_gdn_matches_the_loop_and_skips_invalid_slots(layout, l2norm, K, V):
     q, k, v, g, beta, state, idx = inputs(K=K, V=V, layout=layout)
+    before = state.clone()
     expected_state = state.clone()
     expected = loop_reference(q, k, v, g, beta, expected_state, idx, 0.25, l2norm, layout)
     out = gdn_decode_reference(q, k, v, g, beta, state, idx, scale=0.25, use_qk_l2norm=l2norm, layout=layout)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+    mags = step_magnitudes(q, k, v, g, beta, before, idx, scale=0.25, use_qk_l2norm=l2norm, layout=layout)
+    assert_matches_the_loop(out, state, expected, expected_state, mags)
     assert torch.all(out[1] == 0) and torch.all(out[4] == 0)
+    assert_untouched_slots_bit_identical(state, before, idx)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_kda_per_channel_decay_matches_the_loop(layout):
-    q, k, v, g, beta, state, idx = inputs(kda=True, layout=layout)
+@pytest.mark.parametrize("K,V", SERVED_HEAD_DIMS)
+def test_kda_per_channel_decay_matches_the_loop(layout, K, V):
+    q, k, v, g, beta, state, idx = inputs(K=K, V=V, kda=True, layout=layout)
+    before = state.clone()
     expected_state = state.clone()
-    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 64 ** -0.5, True, layout)
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, K ** -0.5, True, layout)
     out = kda_decode_reference(q, k, v, g, beta, state, idx, use_qk_l2norm=True, layout=layout)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+    mags = step_magnitudes(q, k, v, g, beta, before, idx, use_qk_l2norm=True, layout=layout)
+    assert_matches_the_loop(out, state, expected, expected_state, mags)
+    assert_untouched_slots_bit_identical(state, before, idx)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("K,V", SERVED_HEAD_DIMS)
+def test_bf16_state_at_every_head_dim_is_one_rounding_of_the_loop(kda, K, V):
+    q, k, v, g, beta, state, idx = inputs(K=K, V=V, kda=kda, layout="vk", state_dtype=torch.bfloat16)
+    before = state.clone()
+    expected_state = state.clone()
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 0.125, True, "vk")
+    ref = kda_decode_reference if kda else gdn_decode_reference
+    out = ref(q, k, v, g, beta, state, idx, scale=0.125, use_qk_l2norm=True, layout="vk")
+    mags = step_magnitudes(q, k, v, g, beta, before, idx, scale=0.125, use_qk_l2norm=True, layout="vk")
+    assert_matches_the_loop(out, state, expected, expected_state, mags)
+    assert_untouched_slots_bit_identical(state, before, idx)
+
+
+def test_the_per_element_check_catches_an_error_the_largest_value_would_hide():
+    # An element 100x smaller than the largest, off by 5% of itself: well inside 1e-4 of the largest
+    # value (the old measure), far outside its own tolerance.
+    q, k, v, g, beta, state, idx = inputs(K=64, V=64)
+    before = state.clone()
+    out = gdn_decode_reference(q, k, v, g, beta, state, idx, scale=0.25)
+    mags = step_magnitudes(q, k, v, g, beta, before, idx, scale=0.25)
+    flat = out.abs().reshape(-1)
+    small = int(((flat - flat.max() / 100).abs() + (flat == 0) * 1e9).argmin())
+    bad = out.clone()
+    bad.view(-1)[small] *= 1.05
+    assert (bad - out).abs().max() / out.abs().max() < 1e-3
+    with pytest.raises(AssertionError, match=r"output\[.*\]: .* > tolerance"):
+        assert_each_element_close(bad, out, mags.out, "output")
 
 
 @pytest.mark.parametrize("kda", [False, True])
@@ -219,34 +209,41 @@ def test_bad_arguments_are_named():
 def test_the_public_api_on_cpu_takes_every_option():
     q, k, v, _g, _beta, state, idx = inputs(layout="vk", state_dtype=torch.bfloat16)
     a, b, A_log, dt_bias = raw_gates(5, 4, 64, False)
+    before = state.clone()
     expected_state = state.clone()
-    expected = gdn_decode_reference(q, k, v, None, None, expected_state, idx, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                                    layout="vk", invalid_slot="nonpositive")
-    buf = torch.empty_like(v)
+    expected = loop_reference(q, k, v, None, None, expected_state, idx, 64 ** -0.5, False, "vk", lowest=1, a=a, b=b,
+                              A_log=A_log, dt_bias=dt_bias)
+    buf = torch.full_like(v, float("nan"))
     out = cudelta.gdn_decode(q, k, v, None, None, state, idx, a=a, b=b, A_log=A_log, dt_bias=dt_bias, layout="vk",
                              invalid_slot="nonpositive", out=buf)
     assert out is buf
-    torch.testing.assert_close(out, expected)
-    assert torch.equal(state, expected_state)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # bf16 state read, fp32 vs fp64 math
+    assert torch.all(out[1] == 0) and torch.all(out[2] == 0) and torch.all(out[4] == 0)  # slots -1, 0, 9 (P=7)
+    torch.testing.assert_close(state.float(), expected_state.float(), rtol=8e-3, atol=1e-5)  # one bf16 rounding
+    for s in (0, 1, 2, 4, 5):  # 0: the null block under "nonpositive"; the others named by no request
+        assert torch.equal(state[s], before[s])
 
 
 def test_the_fla_drop_in_updates_vllm_s_pool_in_place():
     q, k, v, g, beta, state, idx = inputs(layout="vk")
     idx = torch.tensor([3, -1, 0, 6, 2])  # vLLM: slot 0 is the null block
+    pool = state.clone()
     expected_state = state.clone()
-    expected = gdn_decode_reference(q, k, v, g, beta, expected_state, idx, layout="vk", invalid_slot="nonpositive",
-                                    use_qk_l2norm=True)
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 64 ** -0.5, True, "vk", lowest=1)
     o, final = cudelta.fused_recurrent_gated_delta_rule(
         q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], initial_state=state,
         inplace_final_state=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
     assert final is state and o.shape == (5, 1, 4, 64)
-    torch.testing.assert_close(o[:, 0], expected)
-    torch.testing.assert_close(state, expected_state)
-    # the varlen form: B=1, one token per sequence
-    o2, _ = cudelta.fused_recurrent_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], initial_state=state.clone(),
+    torch.testing.assert_close(o[:, 0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+    assert torch.all(o[1] == 0) and torch.all(o[2] == 0)
+    # the varlen form: B=1, one token per sequence; the same step on the same pool
+    o2, final2 = cudelta.fused_recurrent_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], initial_state=pool,
         cu_seqlens=torch.arange(6), ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
-    assert o2.shape == (1, 5, 4, 64)
+    assert o2.shape == (1, 5, 4, 64) and final2 is pool
+    torch.testing.assert_close(o2[0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, expected_state, rtol=1e-5, atol=1e-5)
 
 
 def test_the_fla_drop_in_refuses_what_is_not_a_decode_step():

@@ -2,6 +2,7 @@ import json
 import zipfile
 
 import pytest
+from packaging.version import InvalidVersion
 from wheel.wheelfile import WheelFile
 
 from installer.wheel_version import retag_version, with_local_label
@@ -42,6 +43,16 @@ def test_adding_the_label_is_the_inverse(tmp_path):
 
 
 def test_an_invalid_version_writes_nothing(tmp_path):
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidVersion, match="Invalid version: 'not a version'"):
         retag_version(make_wheel(tmp_path), "not a version", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_wheel_whose_metadata_has_no_version_leaves_no_file_behind(tmp_path):
+    src = tmp_path / "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
+    with WheelFile(src, "w") as wf:
+        wf.writestr("cudelta-0.1.0+cu130.dist-info/METADATA", "Metadata-Version: 2.4\nName: cudelta\n")
+        wf.writestr("cudelta-0.1.0+cu130.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n")
+    with pytest.raises(ValueError, match="^wheel METADATA has no Version field$"):
+        retag_version(src, "0.1.0", tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []  # neither the wheel nor its temporary folder
