@@ -149,7 +149,8 @@ def _check_epilogue(v, output_gate, norm_weight, norm_eps, gate_activation) -> N
     if output_gate is None:
         given = [n for n, x in (("norm_eps", norm_eps), ("gate_activation", gate_activation)) if x is not None]
         if given:
-            raise ValueError(f"{' and '.join(given)} belong to the gated RMSNorm epilogue: pass output_gate and "
+            verb = "belong" if len(given) > 1 else "belongs"
+            raise ValueError(f"{' and '.join(given)} {verb} to the gated RMSNorm epilogue: pass output_gate and "
                              "norm_weight too")
         return
     if tuple(output_gate.shape) != tuple(v.shape) or not output_gate.dtype.is_floating_point:
