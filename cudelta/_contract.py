@@ -176,7 +176,8 @@ def check_call(q, k, v, state, idx, layout, out, cu_seqlens=None, num_accepted_t
     check_head_dims(K, V)
     want = (HV, K, V) if layout == "kv" else (HV, V, K)
     if state.dim() != 4 or tuple(state.shape[1:]) != want:
-        raise ValueError(f"state must be [P, {', '.join(map(str, want))}] for layout {layout!r}; got {tuple(state.shape)}")
+        raise ValueError(f"state must be [P, {', '.join(map(str, want))}] for layout {layout!r}; got "
+                         f"{tuple(state.shape)}")
     if state.dtype not in STATE_DTYPES:
         raise ValueError(f"state dtype {state.dtype} is not accepted; expected one of: float32, bfloat16")
     check_pool(state, layout)

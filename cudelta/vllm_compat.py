@@ -69,13 +69,17 @@ def fused_recurrent_gated_delta_rule_packed_decode(
     """One token per request: mixed_qkv [B, 2*H*K + HV*V], raw gates a, b [B, HV], A_log and dt_bias
     [HV], the pool initial_state [slots, HV, V, K] updated in place at ssm_state_indices [B] (<= 0:
     no state, zero output), out [B, 1, HV, V] written; returns (out, initial_state)."""
-    _require(mixed_qkv.ndim == 2, f"mixed_qkv must be a 2D tensor [B, 2*H*K + HV*V]; got shape {tuple(mixed_qkv.shape)}")
-    _require(mixed_qkv.stride(-1) == 1, f"mixed_qkv must be contiguous in the last dim; got strides {mixed_qkv.stride()}")
-    _require(a.ndim == 2 and b.ndim == 2, f"a and b must be 2D tensors [B, HV]; got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    _require(mixed_qkv.ndim == 2,
+             f"mixed_qkv must be a 2D tensor [B, 2*H*K + HV*V]; got shape {tuple(mixed_qkv.shape)}")
+    _require(mixed_qkv.stride(-1) == 1,
+             f"mixed_qkv must be contiguous in the last dim; got strides {mixed_qkv.stride()}")
+    _require(a.ndim == 2 and b.ndim == 2,
+             f"a and b must be 2D tensors [B, HV]; got a {tuple(a.shape)}, b {tuple(b.shape)}")
     _require(a.stride(-1) == 1 and b.stride(-1) == 1,
              f"a and b must be contiguous in the last dim; got strides a {a.stride()}, b {b.stride()}")
     _require(A_log.ndim == 1 and dt_bias.ndim == 1,
-             f"A_log and dt_bias must be 1D tensors [HV]; got A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)}")
+             f"A_log and dt_bias must be 1D tensors [HV]; got A_log {tuple(A_log.shape)}, dt_bias "
+             f"{tuple(dt_bias.shape)}")
     _require(A_log.stride(0) == 1 and dt_bias.stride(0) == 1,
              f"A_log and dt_bias must be contiguous; got strides A_log {A_log.stride()}, dt_bias {dt_bias.stride()}")
     _require(ssm_state_indices.ndim == 1,
@@ -172,8 +176,9 @@ def _mtp_checks(mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_
         _require(tuple(x.shape) == (L, HV, D), f"{name} must have shape [L, HV, {D}] = [{L}, {HV}, {D}]; got "
                  f"{tuple(x.shape)}")
     _require(mixed_qkv.stride(1) == 1, f"mixed_qkv channels must be contiguous; got strides {mixed_qkv.stride()}")
-    _require(a.dim() == 2 and tuple(a.shape) == (L, HV), f"a must have shape [L, HV] = [{L}, {HV}]; got {tuple(a.shape)}")
-    _require(b.dim() == 2 and tuple(b.shape) == (L, HV), f"b must have shape [L, HV] = [{L}, {HV}]; got {tuple(b.shape)}")
+    for name, x in (("a", a), ("b", b)):
+        _require(x.dim() == 2 and tuple(x.shape) == (L, HV),
+                 f"{name} must have shape [L, HV] = [{L}, {HV}]; got {tuple(x.shape)}")
     _require(a.stride(1) == 1 and b.stride(1) == 1,
              f"a and b heads must be contiguous; got strides a {a.stride()}, b {b.stride()}")
     _require(state.stride()[1:] == (D * D, D, 1),

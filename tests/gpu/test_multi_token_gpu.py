@@ -84,7 +84,8 @@ def test_vllm_packed_decode_runs_the_kernel_on_a_contiguous_pool(state_dtype):
     B, H, HV, D, P = 37, 16, 32, 128, 45
     gen = torch.Generator().manual_seed(41)
     qkv = 2 * H * D + HV * D
-    mixed = (torch.randn(B, qkv + HV * D, generator=gen)).to("cuda", torch.bfloat16)[:, :qkv]  # rows of a wider projection
+    # q, k, v rows of a wider projection (vLLM's mixed_qkvz), as the layer hands them over
+    mixed = torch.randn(B, qkv + HV * D, generator=gen).to("cuda", torch.bfloat16)[:, :qkv]
     ba = (torch.randn(B, 2 * HV, generator=gen) * 2).to("cuda", torch.bfloat16)
     b, a = ba[:, :HV], ba[:, HV:]
     A_log, dt_bias = (torch.randn(HV, generator=gen) * 0.5).cuda(), torch.randn(HV, generator=gen).cuda()

@@ -46,7 +46,7 @@ def loop_reference(q, k, v, g, beta, state, idx, scale, l2norm, layout="kv", low
     flat = lambda x: None if x is None else x.reshape(-1, *x.shape[(2 if dense else 1):])  # noqa: E731
     q, k, v, g, beta, a, b, z = map(flat, (q, k, v, g, beta, a, b, z))
     g, beta = loop_gates(g, beta, a, b, A_log, dt_bias)
-    H, K = q.shape[1], q.shape[2]
+    H = q.shape[1]
     HV, V = v.shape[1], v.shape[2]
     P = state.shape[0]
     out = torch.zeros(v.shape, dtype=v.dtype)

@@ -140,18 +140,21 @@ def test_bf16_state_is_carried_in_fp32_between_tokens_not_reread():
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_dense_n_t_form_is_the_flat_form_with_equal_lengths(kind, layout):
-    t = token_inputs([3, 3, 3, 3], kda=kind == "kda", seed=9)
-    idx = torch.tensor([[1, 2, 3], [4, -1, 5], [6, 7, 8], [9, 10, 11]])
-    acc = torch.tensor([1, 3, 2, 0])
-    state = random_pool(P, 4, 64, 64, layout)
+@pytest.mark.parametrize("T", [3, 8])
+def test_dense_n_t_form_is_the_flat_form_with_equal_lengths(kind, layout, T):
+    t = token_inputs([T] * 4, kda=kind == "kda", seed=9)
+    # slots 1..4T in rows of T (one -1 among them)
+    idx = torch.arange(1, 4 * T + 1).reshape(4, T)
+    idx[1, 1] = -1
+    acc = torch.tensor([1, T, 2, 0])
+    state = random_pool(4 * T + 2, 4, 64, 64, layout)
     flat_state = state.clone()
-    out, expected, expected_state = run_both(kind, t, state, idx, layout=layout, accepted=acc, dense_T=3)
-    assert out.shape == (4, 3, 4, 64)
+    out, expected, expected_state = run_both(kind, t, state, idx, layout=layout, accepted=acc, dense_T=T)
+    assert out.shape == (4, T, 4, 64)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
     flat, _, _ = run_both(kind, t, flat_state, idx, layout=layout, accepted=acc)
-    assert torch.equal(flat.reshape(4, 3, 4, 64), out) and torch.equal(flat_state, state)
+    assert torch.equal(flat.reshape(4, T, 4, 64), out) and torch.equal(flat_state, state)
 
 
 def test_idx_n_with_several_tokens_writes_only_the_last_state_in_place():
