@@ -25,7 +25,8 @@ class NotSupportedOnCUDAError(NotImplementedError):
 
 
 def _not_on_cuda(q, idx, state, extra, pool_checked) -> list[str]:
-    """The options of a CUDA call that the kernels do not take yet, each named (empty: none)."""
+    """The options of a CUDA call that the kernels do not take yet, each named (empty: none); the
+    pool's layout only where pool_checked (the op itself refuses it on the fast path)."""
     names = []
     if q.dim() == 4:
         names.append(f"q of shape {tuple(q.shape)} (T tokens per request)")
@@ -70,7 +71,7 @@ def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use
     # malformed argument as on the CPU.
     if q.dim() != 3 or idx.dim() != 1 or any(x is not None for x in extra.values()):
         check()
-        unsupported = _not_on_cuda(q, idx, state, extra, pool_checked=False)
+        unsupported = _not_on_cuda(q, idx, state, extra, pool_checked=True)
         if unsupported:
             raise _refuse(unsupported)
     st = _native.status()

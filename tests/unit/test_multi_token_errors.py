@@ -188,3 +188,12 @@ def test_on_cuda_tensors_a_malformed_option_is_named_as_on_the_cpu():
     with pytest.raises(ValueError, match=r"gate_activation='relu' is not accepted"):
         cudelta.gdn_decode(on_cuda(t["q"]), t["k"], t["v"], t["g"], t["beta"], random_pool(P, 4, 64, 64),
                            torch.tensor([1, 2]), output_gate=t["z"], norm_weight=t["w"], gate_activation="relu")
+
+
+def test_on_cuda_tensors_a_padded_pool_is_named_with_the_other_options():
+    t = token_inputs([1, 1], seed=26)
+    _, padded = vllm_pool(P, 4, 64, 64, "kv")
+    with pytest.raises(NotSupportedOnCUDAError, match=r"cu_seqlens \(tokens per request\); a state pool with slot "
+                       r"stride 17540 \(a padded pool: one slot's block is 16384 elements\): not yet supported"):
+        cudelta.gdn_decode(on_cuda(t["q"]), t["k"], t["v"], t["g"], t["beta"], padded, torch.tensor([1, 2]),
+                           cu_seqlens=torch.tensor([0, 1, 2]))
