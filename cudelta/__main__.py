@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import _native
+from . import _build_record, _native
 from .reference import gdn_decode_reference
 
 
@@ -21,23 +21,48 @@ def driver_cuda_version() -> Optional[str]:
     return f"{seen[0]}.{seen[1]}" if seen else None
 
 
+_HOW = {
+    "prebuilt": "prebuilt release asset, fetched and verified by the sdist's installer",
+    "pure": "pure-Python wheel (PyTorch reference ops)",
+    "local": "compiled on this machine",
+}
+
+
 def install_source() -> dict:
+    """What was installed and why, from the install record (cudelta/_install_record.py)."""
     try:
         dist = metadata.distribution("cudelta")
     except metadata.PackageNotFoundError:
         return {"installed": False}
-    text = dist.read_text("cudelta_source.json")
-    source = json.loads(text) if text else None
+    record = _native.read_install_record()
     build = (_native.read_build_info() or {}).get("build")
-    if source:
-        how = "prebuilt release asset, fetched and verified by the sdist's installer"
+    if record and record.get("kind") in _HOW:
+        how = _HOW[record["kind"]]
+    elif record:  # schema 1: only a prebuilt wrote one
+        how = _HOW["prebuilt"]
     elif build == "release":
         how = "release wheel installed directly (URL, --find-links or index)"
     elif build == "local":
         how = "compiled on this machine"
     else:
         how = "pure-Python wheel (PyTorch reference ops)"
-    return {"installed": True, "version": dist.version, "from": how, "asset": source}
+    return {"installed": True, "version": dist.version, "from": how, "record": record}
+
+
+def render_choice(record: dict, check: Optional[str]) -> list:
+    """Why this install: the facts it was chosen from, the verdict, the assets not taken, and
+    whether this machine would choose the same."""
+    m = record["machine"]
+    facts = (f"{m['os']} {m['arch']}" + (f" glibc {m['glibc']}" if m["glibc"] else "") + f", Python {m['python']}, "
+             + (f"driver CUDA {m['driver_cuda']}" if m["driver_cuda"] else "no NVIDIA driver") + ", "
+             + (f"GPUs {', '.join(m['gpus'])}" if m["gpus"] else "no GPU") + ", "
+             + (f"torch {m['torch']}" if m["torch"] else "torch not seen")
+             + (f", {m['override']}" if m["override"] else ""))
+    lines = [f"  chosen from  {facts}", f"  verdict      {record['reason']}"]
+    for name, why in record.get("rejected", []):
+        lines.append(f"  not chosen   {name}: {why}")
+    lines.append(f"  this machine {check or 'would choose the same'}")
+    return lines
 
 
 def smoke_inputs(device: str, seed: int = 0):
@@ -84,7 +109,7 @@ def gpu_report(index: int, run_smoke: bool) -> dict:
         built = ", ".join((st.build_info or {}).get("archs", []) + (st.build_info or {}).get("ptx", []))
         entry["image"] = None
         entry["error"] = (f"no kernel image for compute {props.major}.{props.minor} (built for {built}); fix: "
-                          f"FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST={props.major}.{props.minor} {_native.REINSTALL}")
+                          f"{_build_record.reinstall(f'FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST={props.major}.{props.minor}')}")
         return entry
     entry["image"] = {"cuda_arch": arch, "arch_specific": bool(arch_specific), "family_specific": bool(family)}
     names = {vid: name for name, vid in st.variants.items()}
@@ -109,14 +134,15 @@ def report(run_smoke: bool = True) -> dict:
         "cudelta": install_source(),
         "build_info": st.build_info,
         "native": {"library": str(st.path) if st.path else None, "loaded": st.loaded, "reason": st.reason},
+        "install_check": st.install_check,
         "torch": {"version": str(torch.__version__), "cuda": torch.version.cuda,
                   "cuda_available": torch.cuda.is_available()},
         "gpus": [],
     }
     if st.loaded:
         out["library_build_info"] = json.loads(torch.ops.cudelta.build_info())
+    out["driver_cuda"] = driver_cuda_version()
     if torch.cuda.is_available():
-        out["driver_cuda"] = driver_cuda_version()
         out["gpus"] = [gpu_report(i, run_smoke) for i in range(torch.cuda.device_count())]
     return out
 
@@ -125,8 +151,11 @@ def render(r: dict) -> str:
     lines = []
     c = r["cudelta"]
     lines.append(f"cudelta {c.get('version', '(not installed: source tree)')}: {c.get('from', '')}")
-    if c.get("asset"):
-        lines.append(f"  asset   {c['asset']['asset']}  sha256 {c['asset']['sha256'][:16]}…")
+    record = c.get("record") or {}
+    if record.get("asset"):
+        lines.append(f"  asset   {record['asset']}  sha256 {record['sha256'][:16]}…")
+    if record.get("schema") == 2:
+        lines.extend(render_choice(record, r.get("install_check")))
     b = r["build_info"]
     if b:
         lines.append(f"  build   {b['build']} {b['cuda_label']}: CUDA {b['cuda_toolkit']}, cubins {', '.join(b['archs'])}"
@@ -136,7 +165,7 @@ def render(r: dict) -> str:
     lines.append(f"  native  {'loaded' if n['loaded'] else 'not loaded'}: {n['library'] or '-'}"
                  + ("" if n["loaded"] else f" ({n['reason']})"))
     t = r["torch"]
-    lines.append(f"torch {t['version']} (CUDA {t['cuda']}), driver CUDA {r.get('driver_cuda', '-')}, "
+    lines.append(f"torch {t['version']} (CUDA {t['cuda']}), driver CUDA {r.get('driver_cuda') or '-'}, "
                  f"{len(r['gpus'])} GPU(s)")
     for gpu in r["gpus"]:
         head = f"  GPU {gpu['index']}: {gpu['name']} (compute {gpu['capability']})"

@@ -28,13 +28,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping
+from typing import Any, Dict, Iterable, Mapping, Tuple
 
 SCHEMA = 2
 FILENAME = "_build_info.json"
-# The command that replaces an unusable install: the loader's messages (cudelta/_native.py) and,
-# through build_info.h (installer/build_record.py), the library's own (csrc/ops.cpp).
-REINSTALL = "pip install --no-cache-dir --force-reinstall cudelta"
+# The commands that replace an unusable install, pip's and uv's: the loader's messages
+# (cudelta/_native.py), `python -m cudelta` and, through build_info.h (installer/build_record.py),
+# the library's own (csrc/ops.cpp). They touch cudelta only: without --no-deps a forced reinstall
+# also reinstalls torch (gigabytes, and PyPI's default build in place of a +cuXYZ one). Without
+# the cache, pip and uv build the sdist again rather than reuse a wheel built for another machine.
+# `{env}` is where variables for the build go (FORCE_BUILD=1 ...), in each command.
+PIP_REINSTALL = "{env}pip install --force-reinstall --no-deps --no-cache-dir cudelta"
+UV_REINSTALL = "{env}uv pip install --reinstall-package cudelta --no-deps --no-cache cudelta"
+
+
+def reinstall_commands(env: str = "") -> Tuple[str, str]:
+    """(pip's command, uv's command), each runnable as is; `env`: 'FORCE_BUILD=1 ...' to run them under."""
+    prefix = f"{env} " if env else ""
+    return PIP_REINSTALL.format(env=prefix), UV_REINSTALL.format(env=prefix)
+
+
+def reinstall(env: str = "") -> str:
+    """The hint every message gives: pip's command, then uv's."""
+    pip, uv = reinstall_commands(env)
+    return f"{pip} (uv: {uv})"
+
+
+REINSTALL = reinstall()
 LEGACY_LABEL_KEY = "variant"
 
 # Every key of schema 2 and the JSON type it must have.

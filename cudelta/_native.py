@@ -3,12 +3,17 @@
 The build record `_build_info.json` beside the library is read BEFORE dlopen: a CPU build of torch,
 a torch below the stable-ABI floor, or a driver too old for the library's toolkit is refused with
 the command that fixes it, never with `undefined symbol` from deep inside the loader.
+
+First, the install record (cudelta/_install_record.py) is compared with this machine: a wheel
+chosen elsewhere and served from pip's or uv's cache is named in one line, with the cure.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -17,7 +22,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import _build_record
+from . import _build_record, _install_record
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 VARIANT_ENV = "CUDELTA_KERNEL_VARIANT"
@@ -37,6 +42,8 @@ class NativeStatus:
     variant: int = -1  # CUDELTA_KERNEL_VARIANT, read once at load (no environ lookup per call)
     # Kernel variant name -> id, from the library's own table (kernels/launch.h kVariants).
     variants: Mapping[str, int] = field(default_factory=dict)
+    # The install record's verdict on this machine (the line said once), or None.
+    install_check: Optional[str] = None
 
 
 _lock = threading.Lock()
@@ -86,6 +93,80 @@ def driver_cuda_version() -> Optional[tuple[int, int]]:
     return value.value // 1000, (value.value % 1000) // 10
 
 
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+
+
+def _libcuda_capabilities() -> tuple[tuple[int, int], ...]:
+    """Every visible GPU's compute capability from libcuda (cuInit once; honours CUDA_VISIBLE_DEVICES)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        count = ctypes.c_int(0)
+        if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return ()
+        out = []
+        for ordinal in range(count.value):
+            dev, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+            if (lib.cuDeviceGet(ctypes.byref(dev), ordinal)
+                    or lib.cuDeviceGetAttribute(ctypes.byref(major), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+                    or lib.cuDeviceGetAttribute(ctypes.byref(minor), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)):
+                return ()
+            out.append((major.value, minor.value))
+        return tuple(out)
+    except (OSError, AttributeError):
+        return ()
+
+
+def gpu_capabilities() -> tuple[tuple[int, int], ...]:
+    """The GPUs' compute capabilities, without initialising CUDA behind torch's back.
+
+    Where torch has initialised CUDA (a CUDA op is the usual first load), its cached device
+    properties. A CUDA torch that has not is asked to (only `python -m cudelta` and direct calls
+    load before a CUDA tensor exists): an initialisation torch knows of keeps its fork guard true.
+    A CPU torch never uses CUDA, so libcuda's cuInit here cannot get in its way.
+    """
+    if torch.cuda.is_initialized() or torch.version.cuda is not None:
+        if not torch.cuda.is_available():
+            return ()
+        return tuple(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    return _libcuda_capabilities()
+
+
+def this_machine() -> _install_record.Machine:
+    """The facts an install is chosen from, as this process sees them."""
+    os_name = _install_record.normalise_os(sys.platform)
+    try:
+        glibc = _install_record.parse_glibc(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (AttributeError, ValueError, OSError):
+        glibc = None
+    driver = driver_cuda_version()
+    return _install_record.Machine(os=os_name, arch=_install_record.normalise_machine(os_name, platform.machine()),
+                                   glibc=glibc, driver_cuda=driver, gpus=gpu_capabilities() if driver else ())
+
+
+def read_install_record() -> Optional[dict]:
+    """The installed distribution's install record, when this package is that distribution's
+    (not a source tree imported beside an install); None without one, or an unreadable one."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("cudelta")
+        if Path(str(dist.locate_file("cudelta/__init__.py"))).resolve() != PACKAGE_DIR / "__init__.py":
+            return None
+        text = dist.read_text(_install_record.FILENAME)
+        return _install_record.loads(text) if text else None
+    except (metadata.PackageNotFoundError, OSError, ValueError):  # InstallRecordError is a ValueError
+        return None
+
+
+def install_check(record: Optional[dict], machine: _install_record.Machine) -> Optional[str]:
+    """The one line saying this machine would have chosen another install, with the cure; or None."""
+    finding = _install_record.stale(record, machine) if record else None
+    return finding.message(*_build_record.reinstall_commands()) if finding else None
+
+
 def driver_floor(info: dict) -> tuple[int, int]:
     """The oldest driver that runs the library: its toolkit's major release (the CUDA runtime is
     linked statically, so minor-version compatibility holds within a major)."""
@@ -107,7 +188,7 @@ def compatibility_problem(info: dict, torch_version: str, torch_cuda: Optional[s
     floor = info.get("torch_floor", "0")
     if _version_tuple(torch_version) < _version_tuple(floor):
         return (f"cudelta was built against the torch stable ABI of {floor}, but torch is {torch_version}; "
-                f"upgrade torch (pip install 'torch>={floor}') or rebuild: FORCE_BUILD=1 {REINSTALL}")
+                f"upgrade torch (pip install 'torch>={floor}') or rebuild: {_build_record.reinstall('FORCE_BUILD=1')}")
     need = driver_floor(info)
     if driver is not None and driver < need:
         built = info.get("cuda_toolkit", "?")
@@ -129,22 +210,29 @@ def status() -> NativeStatus:
 
 
 def _load() -> NativeStatus:
+    record = read_install_record()
+    checked = install_check(record, this_machine()) if record else None
+    if checked:
+        notice_once("install-record", checked)
     path = library_path()
     info = read_build_info()
     if path is None:
-        return NativeStatus(None, info, False, "no native library in this install (pure-Python wheel)")
+        return NativeStatus(None, info, False, "no native library in this install (pure-Python wheel)",
+                            install_check=checked)
     if info is None:
-        return NativeStatus(path, None, False, f"{path.name} has no readable {_build_record.FILENAME} beside it; reinstall: {REINSTALL}")
+        return NativeStatus(path, None, False, f"{path.name} has no readable {_build_record.FILENAME} beside it; "
+                            f"reinstall: {REINSTALL}", install_check=checked)
     problem = compatibility_problem(info, str(torch.__version__), torch.version.cuda, driver_cuda_version())
     if problem:
-        return NativeStatus(path, info, False, problem)
+        return NativeStatus(path, info, False, problem, install_check=checked)
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as exc:
-        return NativeStatus(path, info, False, f"loading {path.name} failed: {exc}. Rebuild: FORCE_BUILD=1 {REINSTALL}")
+        return NativeStatus(path, info, False, f"loading {path.name} failed: {exc}. Rebuild: {_build_record.reinstall('FORCE_BUILD=1')}",
+                            install_check=checked)
     _register_fake()
     table = _variant_table()
-    return NativeStatus(path, info, True, "loaded", requested_variant(os.environ, table), table)
+    return NativeStatus(path, info, True, "loaded", requested_variant(os.environ, table), table, checked)
 
 
 def _variant_table() -> dict:

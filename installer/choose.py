@@ -20,11 +20,21 @@ from packaging.tags import Tag, compatible_tags, cpython_tags, generic_tags
 from packaging.version import InvalidVersion, Version
 
 from . import cuda
-from .cuda import covering_arch
+from .cuda import covering_arch, preference, runnable_images
 from .manifest import Asset, Manifest
 from .target import TargetEnv
 
 PURE_PYTHON_TAIL = "installing the pure-Python wheel (ops run the PyTorch reference path)"
+
+
+@dataclass(frozen=True)
+class AssetVerdict:
+    """One row of the table CUDELTA_EXPLAIN prints and the install record keeps."""
+
+    asset: Asset
+    status: str  # "chosen" | "fits" (matches, not preferred) | "rejected"
+    reason: str  # how it matched, or the rule it failed
+    installable: bool  # this platform and Python can install it (the driver and GPUs aside)
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,22 @@ class Choice:
     # No CUDA to match at all (CPU torch, macOS, CUDELTA_CUDA_VERSION=cpu): the build should
     # produce the pure-Python wheel, not compile.
     pure_python: bool = False
+    # Every asset of the package version, with its verdict (empty where no asset was looked at).
+    verdicts: Tuple[AssetVerdict, ...] = ()
+
+    @property
+    def rejected(self) -> List[Tuple[str, str]]:
+        """(asset name, why not) for every asset not chosen."""
+        return [(v.asset.name, v.reason) for v in self.verdicts if v.status != "chosen"]
+
+    @property
+    def candidates(self) -> Tuple[Asset, ...]:
+        """The assets this platform and Python can install: what another machine of it may get."""
+        return tuple(v.asset for v in self.verdicts if v.installable)
+
+    def table(self) -> List[str]:
+        """CUDELTA_EXPLAIN's lines: one per asset, its verdict and why."""
+        return [f"{v.status:8s} {v.asset.name}: {v.reason}" for v in self.verdicts]
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,12 +191,10 @@ def _rule_gpus(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
     gpus = ctx.target.gpus
     if not gpus:
         return None, f"no GPU visible, the fat binary covers {asset.describe_archs()}"
-    # PTX is JIT-compiled by the driver, which must know the toolkit's PTX version.
-    driver = ctx.target.driver_cuda
-    ptx = asset.ptx if driver is not None and driver >= asset.cuda_tuple else ()
+    images = runnable_images(asset.archs, asset.ptx, asset.cuda_tuple, ctx.target.driver_cuda)
     groups: Dict[Tuple[str, str], List[int]] = {}
     for gpu in gpus:
-        arch = covering_arch(asset.archs + ptx, gpu.major, gpu.minor)
+        arch = covering_arch(images, gpu.major, gpu.minor)
         if arch is None:
             jit = (f"; its PTX needs a driver for CUDA >= {asset.cuda}"
                    if asset.ptx and covering_arch(asset.ptx, gpu.major, gpu.minor) else "")
@@ -213,11 +237,35 @@ def pure_python_reason(target: TargetEnv) -> Optional[str]:
 
 
 def _best(matches: List[_Verdict], driver_seen: bool) -> _Verdict:
-    if driver_seen:  # the newest toolkit this driver runs
-        return max(matches, key=lambda v: (v.asset.cuda_tuple, -v.tag_rank))
-    # No driver to go by: the build that runs on the most drivers, then the newest toolkit.
-    return max(matches, key=lambda v: (tuple(-x for x in v.asset.driver_floor_tuple), v.asset.cuda_tuple,
+    # With a driver, the newest toolkit it runs; with none, the build that runs on the most drivers
+    # (the rule the run time's staleness check shares, cudelta/_install_record.py).
+    return max(matches, key=lambda v: (preference(v.asset.cuda_tuple, v.asset.driver_floor_tuple, driver_seen),
                                        -v.tag_rank))
+
+
+_INSTALLABLE_STAGE = 2  # python and platform rules passed
+
+
+def _row_reason(v: _Verdict, best: Optional[_Verdict], ctx: _Context) -> str:
+    """The table's reason for one asset (the refusal lines speak for the release as a whole)."""
+    if v is best:
+        return v.reason[len(v.asset.name) + 1:]  # 'matches: ...'
+    if v.stage == len(_RULES):
+        if ctx.target.driver_cuda is not None:
+            return f"matches too; {best.asset.name} comes first (the newest toolkit this driver runs)"
+        return (f"matches too; with no driver visible {best.asset.name} comes first "
+                f"(driver floor {best.asset.driver_floor}, the lowest, then the newest toolkit)")
+    if v.reason.startswith("no prebuilt wheel for "):
+        return f"built for {v.asset.platform}, not {target_platforms(ctx.target)[0]}"
+    return v.reason
+
+
+def _table(verdicts: List[_Verdict], best: Optional[_Verdict], ctx: _Context) -> Tuple[AssetVerdict, ...]:
+    statuses = {len(_RULES): "fits"}
+    return tuple(
+        AssetVerdict(v.asset, "chosen" if v is best else statuses.get(v.stage, "rejected"), _row_reason(v, best, ctx),
+                     installable=v.stage >= _INSTALLABLE_STAGE)
+        for v in verdicts)
 
 
 def choose(manifest: Manifest, target: TargetEnv, package_version: str) -> Choice:
@@ -241,15 +289,16 @@ def choose(manifest: Manifest, target: TargetEnv, package_version: str) -> Choic
                    tag_rank={tag: i for i, tag in reversed(list(enumerate(tags)))})
     verdicts = [_evaluate(asset, ctx) for asset in assets]
     matches = [v for v in verdicts if v.stage == len(_RULES)]
+    driver_seen = target.driver_cuda is not None
     if matches:
-        best = _best(matches, target.driver_cuda is not None)
+        best = _best(matches, driver_seen)
         reason = best.reason
-        if target.driver_cuda is None:
+        if not driver_seen:
             reason = ("no NVIDIA driver visible, so the most compatible build (CUDELTA_DRIVER_CUDA=<version> "
                       "chooses for a given driver): " + reason)
-        return Choice(best.asset, reason)
+        return Choice(best.asset, reason, verdicts=_table(verdicts, best, ctx))
     # Furthest along; among those, one for this CPU, then the highest toolkit (the one an upgrade
     # would reach).
     closest = max(verdicts, key=lambda v: (v.stage, v.asset.platform.endswith("_" + target.machine),
                                            v.asset.cuda_tuple))
-    return Choice(None, closest.reason)
+    return Choice(None, closest.reason, verdicts=_table(verdicts, None, ctx))

@@ -8,16 +8,19 @@ failure is an InstallerError, printed without a traceback.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 from typing import Optional
 
 from setuptools import Extension
+from setuptools.errors import BaseError as SetuptoolsError  # distutils' DistutilsError
 from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
 from setuptools.command.sdist import sdist as _sdist
 
-from . import local_build, native, platform_tag
+from . import dead_end, install_record, local_build, native, platform_tag
 from .build_record import git_revision
+from .dead_end import NoPrebuilt
 from .errors import InstallerError
 from .log import say
 from .plan import Plan, plan_for
@@ -27,13 +30,16 @@ from .settings import Settings
 class bdist_wheel(_bdist_wheel):
     user_options = _bdist_wheel.user_options + [
         ("compile-here", None, "internal: compile in this process (the target's torch is importable)"),
+        ("compile-reason=", None, "internal: why the parent compiles (kept in the install record)"),
     ]
     boolean_options = _bdist_wheel.boolean_options + ["compile-here"]
 
     def initialize_options(self) -> None:
         super().initialize_options()
         self.compile_here = False
+        self.compile_reason: Optional[str] = None
         self._plan: Optional[Plan] = None
+        self._install_record: Optional[dict] = None  # pure and local wheels; a prebuilt carries its own
 
     def finalize_options(self) -> None:
         try:
@@ -68,24 +74,45 @@ class bdist_wheel(_bdist_wheel):
                 say(f"note: {note}")
         if plan.kind == "pure":
             say(plan.reason)
+            if self._settings.explain:
+                say("CUDELTA_EXPLAIN: no release asset looked at (the pure-Python wheel is decided first)")
+            self._install_record = install_record.pure(self._target, plan.reason)
             super().run()
             return
         if plan.kind == "fetch":
-            why_not = self._try_prebuilt()
-            if why_not is None:
+            missed = self._try_prebuilt()
+            if missed is None:
                 return
-            if self._settings.no_build:
-                raise InstallerError(f"no prebuilt wheel: {why_not}. CUDELTA_NO_BUILD=1 forbids compiling; "
-                                     "unset it to build from source.")
-            say(f"no prebuilt wheel ({why_not}): building from source")
-        elif not self.compile_here:
-            say(plan.reason)
-        if local_build.torch_importable_here():
-            self._compile()
+            if self._settings.no_build or self._compile_blockers():
+                raise self._dead_end(missed)  # before a compile that cannot start (or may not)
+            reason = f"no prebuilt wheel ({missed.why}): building from source"
+            say(reason)
         else:
-            local_build.compile_in_target_interpreter(Path(self.dist_dir))
+            missed = NoPrebuilt("FORCE_BUILD=1", "not-tried")
+            reason = self.compile_reason or plan.reason
+            if not self.compile_here:
+                # The release matrix's own toolchain failing is its maintainers' business, said as is.
+                if not self._settings.release_build and self._compile_blockers():
+                    raise self._dead_end(missed)
+                say(plan.reason)
+        try:
+            if local_build.torch_importable_here():
+                self._compile(reason)
+            else:
+                local_build.compile_in_target_interpreter(Path(self.dist_dir), reason)
+        except InstallerError as exc:
+            if self.compile_here or self._settings.release_build:
+                raise  # the parent, which ran us, says the ways out
+            raise self._dead_end(missed, compile_failure=str(exc)) from None
 
-    def _try_prebuilt(self) -> Optional[str]:
+    def _compile_blockers(self) -> list[str]:
+        return local_build.compile_blockers(self._target, torch_here=local_build.torch_importable_here())
+
+    def _dead_end(self, missed: NoPrebuilt, compile_failure: Optional[str] = None) -> InstallerError:
+        return InstallerError(dead_end.final_line(self._settings, self._target, missed, self._compile_blockers(),
+                                                  compile_failure))
+
+    def _try_prebuilt(self) -> Optional[NoPrebuilt]:
         """Install a verified prebuilt wheel (or the pure-Python one) into dist_dir; or return why
         none was used."""
         from .prebuilt import install_prebuilt  # the download stack only where a download is planned
@@ -94,8 +121,11 @@ class bdist_wheel(_bdist_wheel):
                                    Path(self.dist_dir))
         if outcome.kind == "pure":
             self._become_pure()
+            self._install_record = install_record.pure(self._target, outcome.reason)
             super().run()
-        return outcome.why_not
+        if outcome.why_not is None:
+            return None
+        return NoPrebuilt(outcome.why_not, outcome.cause)
 
     def _become_pure(self) -> None:
         """No CUDA build exists for this platform: the same wheel as a CPU-only system gets."""
@@ -104,20 +134,34 @@ class bdist_wheel(_bdist_wheel):
         self.py_limited_api = False
         self.plat_name_supplied = False
 
-    def _compile(self) -> None:
+    def _compile(self, reason: str) -> None:
         version = self.distribution.get_version()
         job = local_build.prepare(self._settings, self._target, version, Path(self.bdist_dir).resolve().parent)
+        if not self._settings.release_build:  # a release asset gets its record where it is installed
+            self._install_record = install_record.local(self._target, reason, job.record, self.get_tag()[2])
         self.distribution.ext_modules[:] = [job.extension]
         self.distribution.cmdclass["build_ext"] = job.build_ext
         self.distribution.command_obj.pop("build_ext", None)
         say(job.announcement)
         started = time.monotonic()
-        super().run()
+        try:
+            super().run()
+        except (SetuptoolsError, RuntimeError, subprocess.CalledProcessError) as exc:
+            # torch's BuildExtension raises RuntimeError when ninja fails: said as one line, the
+            # compiler's output being above it.
+            raise InstallerError(f"the local compile failed ({exc}); its output is above") from None
         say(f"compiled in {time.monotonic() - started:.0f} s")
         if self._settings.release_build:
             build_lib = Path(self.get_finalized_command("build_ext").build_lib)
             local_build.label_release_wheel(Path(self.dist_dir), version, (build_lib / "cudelta").glob("_C*.so"),
                                             job.record["cuda_label"])
+
+    def write_wheelfile(self, wheelfile_base: str, *args, **kwargs) -> None:
+        # Called with the dist-info folder whether it came from egg-info or, under PEP 517, from
+        # pip's prepare_metadata step; RECORD is written after, so it lists the file.
+        super().write_wheelfile(wheelfile_base, *args, **kwargs)
+        if self._install_record is not None:
+            (Path(wheelfile_base) / install_record.FILENAME).write_text(install_record.dumps(self._install_record))
 
 
 def _detect(settings: Settings):

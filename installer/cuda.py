@@ -5,7 +5,8 @@
     target    '9.0a', '12.0f+PTX'           what a build compiles for (TORCH_CUDA_ARCH_LIST syntax)
     code arch 'sm_90a', 'compute_120'       what a fatbin holds: a cubin or PTX
 
-A leaf: it imports nothing from installer/, so every module there and every script can use it.
+A leaf: it imports nothing from installer/ but the by-path loader of the rules it shares with the
+run time (installer/shipped.py), so every module there and every script can use it.
 A string that is not what it should be raises ValueError; each caller words it for its own user.
 """
 
@@ -15,14 +16,19 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
+from . import shipped
+
 CudaVersion = Tuple[int, int]
+
+# The coverage rule ships in the wheel: the run time judges a cached install by the same rule
+# (cudelta/_install_record.py), so it lives there and is used here.
+_shared = shipped.load("_install_record")
 
 _VERSION_RE = re.compile(r"(\d+)\.(\d+)")
 _TOOLKIT_RE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*")  # nvcc's full version may carry a patch level
 # torch's and cudelta's labels put the minor in the last digit: cu130 is 13.0, cu129 is 12.9.
 _LABEL_RE = re.compile(r"cu(\d+)(\d)")
 _TARGET_RE = re.compile(r"(\d+)\.(\d+)([af]?)(\+PTX)?", re.IGNORECASE)
-_CODE_RE = re.compile(r"(sm|compute)_(\d{2,})([af]?)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,52 +175,29 @@ class CodeArch:
 
     @classmethod
     def parse(cls, text: str) -> "CodeArch":
-        m = _CODE_RE.fullmatch(text)
-        if not m:
-            raise ValueError(f"not a CUDA arch: {text!r}")
-        number = int(m.group(2))
-        return cls(m.group(1), number // 10, number % 10, m.group(3))
+        return cls(*_shared.parse_code_arch(text))
 
     def __str__(self) -> str:
         return f"{self.kind}_{self.major}{self.minor}{self.suffix}"
 
 
+def _code_kind(text: str) -> Optional[str]:
+    try:
+        return _shared.parse_code_arch(text)[0]
+    except (TypeError, ValueError):
+        return None
+
+
 def is_cubin(text: str) -> bool:
     """'sm_90a' yes; 'compute_120', 'sm90' no."""
-    m = _CODE_RE.fullmatch(text)
-    return bool(m) and m.group(1) == "sm"
+    return _code_kind(text) == "sm"
 
 
 def is_ptx(text: str) -> bool:
-    m = _CODE_RE.fullmatch(text)
-    return bool(m) and m.group(1) == "compute"
+    return _code_kind(text) == "compute"
 
 
-def arch_covers(arch: str, major: int, minor: int) -> bool:
-    """Whether code for `arch` runs on a GPU of compute capability major.minor.
-
-    sm_XY cubins run on X.y for y >= Y (same major); sm_XYa only on X.Y (arch-specific
-    features); sm_XYf on the family, X.y for y >= Y; PTX compute_XY is JIT-compiled for any
-    cc >= X.Y, while compute_XYa / compute_XYf PTX is bound like the cubin of the same suffix.
-    """
-    a = CodeArch.parse(arch)
-    if a.suffix == "a":
-        return (major, minor) == (a.major, a.minor)
-    if a.kind == "sm" or a.suffix == "f":
-        return major == a.major and minor >= a.minor
-    return (major, minor) >= (a.major, a.minor)
-
-
-def covering_arch(archs: Iterable[str], major: int, minor: int) -> Optional[str]:
-    """The image the driver would run on a major.minor GPU: a cubin before PTX (no JIT), the
-    nearest cc first, and at equal cc an arch-specific one before a family one before a plain
-    one (more features enabled). None if nothing covers it."""
-    best: Optional[Tuple[Tuple[int, int, int, int], str]] = None
-    for arch in archs:
-        if not arch_covers(arch, major, minor):
-            continue
-        a = CodeArch.parse(arch)
-        key = (int(a.kind == "sm"), a.major, a.minor, {"a": 2, "f": 1, "": 0}[a.suffix])
-        if best is None or key > best[0]:
-            best = (key, arch)
-    return best[1] if best else None
+arch_covers = _shared.arch_covers
+covering_arch = _shared.covering_arch
+runnable_images = _shared.runnable_images
+preference = _shared.preference

@@ -107,7 +107,8 @@ def _apply_driver_override(env: TargetEnv, driver_cuda: Optional[str]) -> Target
     seen = cuda.format_version(env.driver_cuda) if env.driver_cuda else "none"
     override = None if driver_cuda == "cpu" else cuda.parse_version(driver_cuda)
     note = f"driver CUDA {driver_cuda} set by CUDELTA_DRIVER_CUDA (the driver seen: {seen})"
-    return replace(env, driver_cuda=override, driver_overridden=True, notes=env.notes + (note,))
+    return replace(env, driver_cuda=override, driver_overridden=True, overridden_driver_seen=env.driver_cuda,
+                   notes=env.notes + (note,))
 
 
 def detect(

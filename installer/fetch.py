@@ -37,7 +37,6 @@ from urllib.parse import urljoin, urlparse
 
 import filelock
 import requests
-from requests.adapters import HTTPAdapter
 from urllib3.exceptions import HTTPError
 
 from .cache import (  # noqa: F401  (PARTIAL_PREFIX: part of what callers know from here)
@@ -57,6 +56,7 @@ from .cache import (  # noqa: F401  (PARTIAL_PREFIX: part of what callers know f
 )
 from .errors import FetchError, VerificationError
 from .log import say
+from .network import NetworkAdapter, policy_from
 from .settings import Settings
 from .transfer import (  # noqa: F401  (CappedRetry, RATE_WINDOW_S: part of what callers know from here)
     PROGRESS_AFTER_S,
@@ -93,8 +93,9 @@ def _quiet(phase: str, *, throttle: bool = False) -> None:
 class Fetcher:
     """Fetches release files, holding the HTTP session and the retry policy of one install.
 
-    A `session` given by the caller (proxies, certificates, tests) gets the retrying adapters
-    mounted for http and https, so the policy holds whatever the session. The keyword arguments
+    A `session` given by the caller (tests) gets the retrying network adapter mounted for http and
+    https and its trust_env turned off, so the retry policy, the proxies and the certificates of
+    installer/network.py hold whatever the session. The keyword arguments
     after it exist for tests (small bounds, no backoff); an install uses the defaults.
     """
 
@@ -115,7 +116,12 @@ class Fetcher:
         self.backoff_factor = backoff_factor
         self.retry = make_retry(settings.http_retries, backoff_factor, max_retry_after)
         self.session = session if session is not None else requests.Session()
-        self._adapter = HTTPAdapter(max_retries=self.retry)
+        # Proxies and CA files come from settings.py through the policy, never from requests'
+        # own reading of the environment (trust_env), which has its own order and no PIP_* names.
+        self.session.trust_env = False
+        self.network = policy_from(settings)
+        self._adapter = NetworkAdapter(self.network, max_retries=self.retry)
+        self._announced: set[tuple[str, Optional[str]]] = set()
         self.session.mount("http://", self._adapter)
         self.session.mount("https://", self._adapter)
         self._log = log
@@ -400,7 +406,9 @@ class Fetcher:
         # A read cut short to end at the deadline is the deadline, not a slow server's timeout.
         if time.monotonic() >= deadline - 0.005:
             return transfer.deadline_words() if transfer is not None else self._deadline_words()
-        return describe_error(exc, *self.timeout)
+        request = getattr(exc, "request", None)
+        url = getattr(request, "url", None) or ""
+        return describe_error(exc, *self.timeout, hints=self.network.hints(url))
 
     def _transfer(
         self, name: str, total: Optional[int], limit: Optional[int], too_long: Callable[[], Exception], deadline: float
@@ -429,6 +437,7 @@ class Fetcher:
             raise self._fetch_error(url, self._deadline_words(), 1)
         # The policy of this fetch: the mounted adapter's, with this fetch's deadline.
         self._adapter.max_retries = self.retry.new(deadline=deadline)
+        self._announce_route(url)
         try:
             response = self.session.get(
                 url,
@@ -447,9 +456,27 @@ class Fetcher:
                 final_host = urlparse(response.url).hostname
                 if final_host and final_host != urlparse(url).hostname:
                     reason += f" from {final_host}"
-                reason += status_hint(response, url, bool(self.settings.github_token))
+                reason += status_hint(response, url, bool(self.settings.github_token), self.network.hints(url))
                 raise self._fetch_error(url, reason, attempts_for_response(response, self.retry))
         return response
+
+    def _announce_route(self, url: str) -> None:
+        """Say once per host how it is reached when that is not the plain default: through which
+        proxy, and for https which certificates are trusted (a corporate network's two knobs)."""
+        parsed = urlparse(url)
+        proxy = self.network.proxy_for(url)
+        key = (parsed.scheme, parsed.hostname)
+        if key in self._announced:
+            return
+        self._announced.add(key)
+        words = []
+        if proxy is not None:
+            words.append(f"through the proxy {proxy.shown} ({proxy.variable})")
+        trust = self.network.trust
+        if parsed.scheme == "https" and (trust.ca_file is not None or trust.store != "system"):
+            words.append(f"trusting {trust.words()}")
+        if words:
+            self._log(f"reaching {parsed.hostname} " + ", ".join(words))
 
     def _redirect_guard(self, start_url: str) -> Callable[..., requests.Response]:
         """A response hook that vets each redirect before requests follows it (and connects)."""

@@ -7,12 +7,14 @@ Pure parsing (`parse_*`, `normalise_*`) apart from running the probe (`run_probe
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from . import shipped
 from .target import PROBE
+
+_shared = shipped.load("_install_record")
 
 PROBE_TIMEOUT_S = 30.0  # a cold conda/NFS install can take seconds just to start Python
 
@@ -37,27 +39,10 @@ class InterpreterFacts:
     torch_imported: bool = False
 
 
-def normalise_os(platform: str) -> str:
-    if platform.startswith("linux"):
-        return "linux"
-    if platform.startswith(("win32", "cygwin", "msys")):
-        return "windows"
-    return platform  # 'darwin', 'freebsd13', ...
-
-
-def normalise_machine(os_name: str, machine: str) -> str:
-    m = machine.strip().lower()
-    if m in {"amd64", "x64"}:
-        return "x86_64"
-    if m == "arm64" and os_name == "linux":
-        return "aarch64"
-    return m
-
-
-def parse_glibc(text: Optional[str]) -> Optional[Tuple[int, int]]:
-    """os.confstr('CS_GNU_LIBC_VERSION'): 'glibc 2.36' -> (2, 36); musl and others -> None."""
-    m = re.fullmatch(r"\s*glibc\s+(\d+)\.(\d+)\S*\s*", text or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
+# Shared with the run time, which compares the machine it runs on with the install record's.
+normalise_os = _shared.normalise_os
+normalise_machine = _shared.normalise_machine
+parse_glibc = _shared.parse_glibc
 
 
 def parse_probe_json(text: str) -> InterpreterFacts:

@@ -42,6 +42,25 @@ def torch_importable_here() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def compile_blockers(target: TargetEnv, torch_here: bool = False) -> List[str]:
+    """What a local compile lacks on this target, as detection saw it; empty: it may start.
+
+    The compile runs in the target's interpreter and needs its torch to be a CUDA build, and
+    nvcc: without them it fails after seconds of setup, so the install stops before it starts.
+    `torch_here`: this process imports a torch detection did not see (a user-site torch under
+    --no-build-isolation: detection's `python -I` skips the user site), which the compile uses.
+    """
+    lacks = []
+    if target.torch_version is None:
+        if not torch_here:
+            lacks.append("torch is not installed where this build can see it")
+    elif target.torch_cuda is None:
+        lacks.append(f"torch {target.torch_version} has no CUDA")
+    if target.nvcc_version is None:
+        lacks.append("nvcc (the CUDA toolkit) was not found")
+    return lacks
+
+
 def prepare(settings: Settings, target: TargetEnv, version: str, work_dir: Path) -> Compile:
     """Check the toolchain and describe the compile; raises InstallerError with the fix."""
     found, _why = toolchain.find_cuda(target.os_name, os.environ)
@@ -107,12 +126,13 @@ def label_release_wheel(dist: Path, version: str, libraries: Iterable[Path], cud
     return out
 
 
-def compile_in_target_interpreter(dist_dir: Path) -> None:
+def compile_in_target_interpreter(dist_dir: Path, reason: str) -> None:
     """pip's isolation hides torch from us; compile in a child of the same interpreter that sees
     the target's site-packages plus our build requirements."""
     env = unisolated_env()
     with tempfile.TemporaryDirectory(prefix="cudelta-build-") as tmp:
-        cmd = [sys.executable, "setup.py", "bdist_wheel", "--compile-here", "--dist-dir", tmp]
+        cmd = [sys.executable, "setup.py", "bdist_wheel", "--compile-here", f"--compile-reason={reason}",
+               "--dist-dir", tmp]
         probe = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], env=env,
                                capture_output=True, text=True)
         if probe.returncode != 0:

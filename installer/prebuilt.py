@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
+from . import install_record
 from .choose import choose
 from .errors import FetchError, VerificationError
 from .fetch import Fetcher, asset_url, display_url
@@ -28,6 +29,8 @@ EMBEDDED_MANIFEST = Path(__file__).resolve().parent / "release_manifest.json"
 class Outcome:
     kind: str  # "installed" | "pure" (build the pure-Python wheel) | "none"
     why_not: Optional[str] = None  # for "none": why no prebuilt wheel was used
+    cause: str = ""  # for "none": "network" (the manifest or the download failed) | "no-match"
+    reason: str = ""  # the choice's line (the pure wheel's install record keeps it)
 
 
 def trusted_manifest(settings: Settings, fetcher: Fetcher, base: str) -> Tuple[Manifest, str]:
@@ -55,22 +58,27 @@ def install_prebuilt(settings: Settings, target: TargetEnv, version: str, dist_d
     try:
         manifest, trusted = trusted_manifest(settings, fetcher, base)
     except FetchError as exc:
-        return Outcome("none", f"release manifest unavailable: {exc}")
+        return Outcome("none", f"release manifest unavailable: {exc}", "network")
     choice = choose(manifest, target, version)
+    if settings.explain:
+        say(f"CUDELTA_EXPLAIN: {len(choice.verdicts)} asset(s) of release {manifest.version} for {target.summary()}")
+        for line in choice.table() or ["(no asset looked at)"]:
+            say("  " + line)
     say(choice.reason)
     if choice.pure_python:
-        return Outcome("pure")
+        return Outcome("pure", reason=choice.reason)
     if choice.asset is None:
-        return Outcome("none", "no asset matches")
+        return Outcome("none", f"no asset matches: {choice.reason}", "no-match")
     asset = choice.asset
     try:
         path = fetcher.fetch_asset(base, asset.name, asset.sha256, asset.size)
     except VerificationError:
         raise  # a corrupt or tampered asset is an error, never a reason to quietly compile
     except FetchError as exc:
-        return Outcome("none", f"download failed: {exc}")
+        return Outcome("none", f"download failed: {exc}", "network")
     source = {"asset": asset.name, "sha256": asset.sha256, "url": display_url(asset_url(base, asset.name)),
               "manifest": trusted}
-    out = retag_version(Path(path), public_version(version), dist_dir, extra_dist_info=source)
+    record = install_record.prebuilt(target, choice, source)
+    out = retag_version(Path(path), public_version(version), dist_dir, extra_dist_info=record)
     say(f"installing prebuilt {asset.name} (sha256 verified against the {trusted}) as {out.name}")
     return Outcome("installed")

@@ -316,6 +316,55 @@ def parse_token(name: str, raw: str) -> Optional[str]:
     return value
 
 
+def parse_ca_path(name: str, raw: str) -> Path:
+    """A CA bundle (PEM file) or a folder of hashed certificates, as pip, requests and OpenSSL take."""
+    expected = "the path of a PEM file of CA certificates (or a folder of them)"
+    path = Path(_checked_path(name, raw, expected))
+    if not path.exists():
+        raise SettingsError(f"{name}={shown(raw)} is not an existing file or folder; expected {expected}")
+    return path
+
+
+def parse_proxy_url(name: str, raw: str) -> str:
+    """'proxy:3128' (http:// assumed, as pip and requests do) or an http(s)/socks URL with a host."""
+    value = raw.strip()
+    if "://" not in value:
+        value = "http://" + value
+    try:
+        parsed = urlparse(value)
+        parsed.port  # noqa: B018  (raises on a port that is not a number or out of range)
+        usable = parsed.scheme in {"http", "https", "socks4", "socks4a", "socks5", "socks5h"} and bool(parsed.hostname)
+    except ValueError:  # also '[::1' and other broken hosts
+        usable = False
+    if not usable or _bad_character(value) is not None:
+        raise SettingsError(
+            f"{name} is not accepted ({shown(_without_password(raw))}); expected a proxy URL such as "
+            "http://proxy.example:3128 or http://user:password@proxy.example:3128"
+        )
+    return value
+
+
+def _without_password(raw: str) -> str:
+    # A proxy URL may carry a password; a refusal must not print it.
+    head, at, tail = raw.strip().rpartition("@")
+    if not at:
+        return raw.strip()
+    scheme, sep, _userinfo = head.rpartition("://")
+    return f"{scheme}{sep}***@{tail}"
+
+
+def parse_no_proxy(name: str, raw: str) -> tuple[str, ...]:
+    """NO_PROXY: hosts, domains ('.corp'), IPs or networks, ':port' optional, separated by ',' or spaces."""
+    entries = tuple(e for e in raw.replace(",", " ").split() if e)
+    bad = [e for e in entries if _bad_character(e) is not None]
+    if bad:
+        raise SettingsError(
+            f"{name}={shown(raw)} is not accepted; expected host names, domains, IP addresses or networks "
+            "separated by commas, e.g. localhost,.corp.example,10.0.0.0/8"
+        )
+    return entries
+
+
 def _default_cache_dir() -> Path:
     import platformdirs
 
@@ -416,6 +465,48 @@ class Settings:
         "CUDELTA_HTTP_MIN_RATE", parse=parse_kilobytes_per_second, default=32.0,
         doc="Minimum download rate in KB/s (0 to 1000000), over any 20 s once a body has flowed for 20 s; "
         "a slower download fails (the install compiles instead). 0 turns the check off.",
+    )
+    explain: bool = _setting(
+        "CUDELTA_EXPLAIN", parse=parse_bool, default=False,
+        doc="Print every release asset with its verdict (chosen, fits, or the rule it failed) into "
+        "the build log; `python -m cudelta` shows the same after the install.",
+    )
+    # pip's and the networking libraries' own variables, read here so that the downloader reaches
+    # the release the way pip reaches PyPI (installer/network.py holds the policy).
+    pip_cert: Optional[Path] = _setting(
+        "PIP_CERT", parse=parse_ca_path,
+        doc="pip's: a CA bundle to trust for downloads, added to the system trust store (first of "
+        "the CA files; pip's `--cert` on the command line does not reach a build, this does).",
+    )
+    ca_bundle: Optional[Path] = _setting(
+        "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", parse=parse_ca_path,
+        doc="requests' and curl's: a CA bundle to trust for downloads, when PIP_CERT is unset.",
+    )
+    ssl_cert_file: Optional[Path] = _setting(
+        "SSL_CERT_FILE", parse=parse_ca_path,
+        doc="OpenSSL's: a CA bundle to trust for downloads, when neither of the above is set.",
+    )
+    http_proxy: Optional[str] = _setting(
+        "http_proxy", "HTTP_PROXY", parse=parse_proxy_url, secret=True,
+        doc="The proxy of http:// downloads (lower case first, as curl reads it).",
+    )
+    https_proxy: Optional[str] = _setting(
+        "https_proxy", "HTTPS_PROXY", parse=parse_proxy_url, secret=True,
+        doc="The proxy of https:// downloads (GitHub, https mirrors).",
+    )
+    all_proxy: Optional[str] = _setting(
+        "all_proxy", "ALL_PROXY", parse=parse_proxy_url, secret=True,
+        doc="The proxy of downloads whose scheme has no variable of its own.",
+    )
+    pip_proxy: Optional[str] = _setting(
+        "PIP_PROXY", parse=parse_proxy_url, secret=True,
+        doc="pip's: the proxy of downloads when none of the above is set (pip's `--proxy` on the "
+        "command line does not reach a build, this does).",
+    )
+    no_proxy: Optional[tuple[str, ...]] = _setting(
+        "no_proxy", "NO_PROXY", parse=parse_no_proxy,
+        doc="Hosts, domains and networks reached without a proxy. This machine (127.0.0.0/8, ::1, "
+        "localhost) and `file://` mirrors are always reached directly.",
     )
     github_token: Optional[str] = _setting(
         "GITHUB_TOKEN", parse=parse_token, secret=True,

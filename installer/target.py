@@ -49,11 +49,17 @@ class TargetEnv:
     driver_cuda: Optional[Tuple[int, int]] = None  # cuDriverGetVersion 13000 -> (13, 0)
     # True when driver_cuda came from CUDELTA_DRIVER_CUDA (None there means `cpu`).
     driver_overridden: bool = False
+    overridden_driver_seen: Optional[Tuple[int, int]] = None  # what the driver said, under an override
     gpus: Tuple[Gpu, ...] = ()
     nvcc_version: Optional[str] = None  # '13.0'
     host_compiler: Optional[str] = None  # first line of `c++ --version`
     source: str = ""
     notes: Tuple[str, ...] = ()
+
+    @property
+    def driver_seen(self) -> Optional[Tuple[int, int]]:
+        """The driver this build saw, whatever CUDELTA_DRIVER_CUDA says (the install record keeps it)."""
+        return self.overridden_driver_seen if self.driver_overridden else self.driver_cuda
 
     @property
     def python_tag(self) -> str:

@@ -28,6 +28,7 @@ from urllib3.exceptions import (
 )
 from urllib3.util.retry import Retry
 
+from .network import CA_HINT, DEFAULT_HINTS, NetworkHints
 from .urls import TOKEN_HOSTS
 
 # The minimum rate is judged over this sliding window, and only once a body has flowed this long
@@ -69,6 +70,9 @@ class CappedRetry(Retry):
         return super().new(**kw)
 
     def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        if error is not None and any(isinstance(c, ssl.SSLCertVerificationError) for c in _causes(error)):
+            # A certificate not trusted now is not trusted in a second: say so at once, as 1 attempt.
+            raise error
         # A limit that resets later than the cap is not waited for at all: the caller gets this
         # response now and falls back (or says GITHUB_TOKEN) instead of sleeping through retries.
         header = response.headers.get("Retry-After") if response is not None else None
@@ -268,22 +272,39 @@ def _reason_text(exc: BaseException) -> str:
     return _URLLIB3_PREFIX.sub("", str(exc), count=1)
 
 
-def describe_error(exc: BaseException, connect_timeout: float, read_timeout: float) -> str:
-    """A network exception in words, e.g. 'timed out after 30 s waiting for data'."""
+def describe_error(
+    exc: BaseException, connect_timeout: float, read_timeout: float, hints: NetworkHints = DEFAULT_HINTS
+) -> str:
+    """A network exception in words, e.g. 'timed out after 30 s waiting for data'; proxy and TLS
+    failures name the variables that matter for the URL's scheme and what was trusted."""
     causes = list(_causes(exc))
 
     def find(*types: type) -> Optional[BaseException]:
         return next((c for c in causes if isinstance(c, types)), None)
 
-    # Order matters: urllib3's NewConnectionError subclasses ConnectTimeoutError.
+    # Order matters: a TLS failure inside a proxy's tunnel is about certificates, not the proxy;
+    # urllib3's NewConnectionError subclasses ConnectTimeoutError.
     if find(requests.exceptions.SSLError, ssl.SSLError) is not None:
         found = find(ssl.SSLError)
         detail = f" {getattr(found, 'reason', None) or ''}".rstrip() if found is not None else ""
-        return f"TLS error{detail} (check the CA certificates, or REQUESTS_CA_BUNDLE behind a proxy)"
+        if isinstance(found, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(found):
+            return (f"TLS certificate not trusted ({detail.strip() or 'CERTIFICATE_VERIFY_FAILED'}): checked against {hints.trust}; for a private or "
+                    f"corporate CA set {CA_HINT} to its PEM file")
+        return f"TLS error{detail} (checked against {hints.trust}; a private CA: set {CA_HINT})"
     if find(requests.exceptions.ProxyError) is not None:
-        return "could not reach the proxy (check HTTPS_PROXY / NO_PROXY)"
+        via = f"the proxy {hints.proxy.shown} from {hints.proxy.variable}" if hints.proxy else "the proxy"
+        inner = find(NewConnectionError) or next(
+            (c for c in causes if isinstance(c, OSError) and not isinstance(c, (requests.RequestException, ssl.SSLError))),
+            None)
+        why = f": {_reason_text(inner)}" if inner is not None else ""
+        return f"could not go through {via}{why} (check {hints.proxy_variables})"
     if (found := find(NewConnectionError)) is not None:
-        return f"could not connect ({_reason_text(found)})"
+        words = f"could not connect ({_reason_text(found)})"
+        if hints.no_proxy_bypassed:
+            words += "; reached directly, as NO_PROXY says"
+        elif hints.proxy is None:
+            words += f"; behind a proxy, set {hints.proxy_variables.split(' / ')[0]}"
+        return words
     if find(requests.exceptions.ConnectTimeout, ConnectTimeoutError) is not None:
         return f"connection timed out after {connect_timeout:g} s"
     if find(requests.exceptions.ReadTimeout, ReadTimeoutError, TimeoutError) is not None:
@@ -327,9 +348,12 @@ def megabytes(size: Optional[int]) -> str:
     return "size unknown" if size is None else f"{size / 1e6:.1f} MB"
 
 
-def status_hint(response: requests.Response, url: str, has_token: bool) -> str:
+def status_hint(response: requests.Response, url: str, has_token: bool, network: NetworkHints = DEFAULT_HINTS) -> str:
     retry_after = response.headers.get("Retry-After")
     hints = []
+    if response.status_code == 407:
+        variable = network.proxy.variable if network.proxy else network.proxy_variables.split(" ")[0]
+        hints.append(f"the proxy wants credentials: give them in {variable} as http://user:password@host:port")
     if retry_after and response.status_code in (403, 429, 503):
         hints.append(f"the server asks to retry after {retry_after} s")
     if response.status_code in (403, 429) and urlparse(url).hostname in TOKEN_HOSTS and not has_token:

@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 from wheel.wheelfile import WheelFile
 
-SOURCE_RECORD = "cudelta_source.json"
+SOURCE_RECORD = "cudelta_source.json"  # the install record: cudelta/_install_record.py
 
 
 def wheel_filename(name: str, version: str, tags: str) -> str:
@@ -31,7 +31,8 @@ def retag_version(src: Path, new_version: str, out_dir: Path, *, extra_dist_info
     """Copy wheel `src` into `out_dir` with version `new_version` (and platform tag `platform`,
     if given); returns the new path.
 
-    `extra_dist_info` is written as dist-info/cudelta_source.json (where a prebuilt came from).
+    `extra_dist_info` is written as dist-info/cudelta_source.json (the install record of a
+    prebuilt: what was chosen, from what, and where it came from).
     """
     name, old_version, build, tags = parse_wheel_filename(src.name)
     Version(new_version)  # raises InvalidVersion early, before any file is written

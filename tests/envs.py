@@ -20,7 +20,7 @@ VERSION = "0.1.0"
 TAG = f"v{VERSION}"
 CACHE = Path(os.environ.get("CUDELTA_TEST_CACHE", ROOT / ".ci-cache"))
 BUILD_REQS = ["setuptools>=77", "wheel>=0.43", "packaging>=24", "requests>=2.31", "urllib3>=2",
-              "filelock>=3.12", "platformdirs>=3", "ninja"]
+              "filelock>=3.12", "platformdirs>=3", "truststore>=0.10", "ninja"]
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 # Variables of ours or pip's that must not leak from the developer's shell into a case.

@@ -206,3 +206,75 @@ def pip_output(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
 
+
+
+@dataclass
+class InstalledLibrary:
+    """What an install put into a venv, as the package itself reports it, plus the library's cubins."""
+
+    record: dict | None  # the build record, read by cudelta._native.read_build_info
+    library: Path | None  # cudelta._native.library_path()
+    in_pip_record: bool  # pip's RECORD of the installed cudelta lists the library
+    loaded: bool  # cudelta._native.status(): the package's loader, torch.ops.load_library included
+    reason: str
+    variants: list[str]
+    cubins: list[str]  # arch of each cubin cuobjdump --list-elf lists, e.g. ["sm_90a", "sm_90a"]
+    ptx: list[str]
+
+    def local_build_problems(self, env: Venv, archs: list[str]) -> list[str]:
+        """Why this is not a library compiled here for exactly `archs` (no PTX), installed by pip
+        into `env` and loaded by cudelta's loader; [] when it is."""
+        problems = []
+        record = self.record or {}
+        if (record.get("build"), record.get("archs"), record.get("ptx")) != ("local", archs, []):
+            problems.append(f"build record {record}: not a local build of {archs}")
+        lib = self.library
+        if lib is None or lib.name != "_C.abi3.so" or lib.read_bytes()[:4] != b"\x7fELF":
+            problems.append(f"library {lib}: not an ELF _C.abi3.so")
+        elif not lib.is_relative_to(env.site_packages) or not self.in_pip_record:
+            problems.append(f"library {lib}: not installed by pip into {env.site_packages}")
+        if sorted(set(self.cubins)) != sorted(archs) or self.ptx:
+            problems.append(f"cuobjdump lists cubins {self.cubins} and PTX {self.ptx}, not {archs} only")
+        if not self.loaded or not {"generic", "warp"} <= set(self.variants):
+            problems.append(f"not loaded by cudelta's loader: {self.reason} (variants {self.variants})")
+        return problems
+
+
+_INSTALLED_LIBRARY_PROBE = """
+import json, importlib.metadata as m
+from cudelta import _native
+lib = _native.library_path()
+files = [str(f) for f in (m.distribution('cudelta').files or ())]
+s = _native.status()
+print(json.dumps({'record': _native.read_build_info(), 'library': str(lib) if lib else None,
+                  'in_pip_record': lib is not None and f'cudelta/{lib.name}' in files,
+                  'loaded': s.loaded, 'reason': s.reason, 'variants': list(s.variants)}))
+"""
+
+
+def _cuobjdump_archs(library: Path, kind: str) -> list[str]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from wheel_parsers import find_cuobjdump, parse_cuobjdump_list
+
+    tool = find_cuobjdump()  # nvidia-cuda-cuobjdump in the runner venv (scripts/test.sh)
+    assert tool, "cuobjdump not found: pip install nvidia-cuda-cuobjdump into the test venv"
+    proc = run([tool, f"--list-{kind}", library], check=False)
+    assert proc.returncode == 0, f"cuobjdump --list-{kind} {library}: {proc.stdout}{proc.stderr}"
+    return [arch for _, arch in parse_cuobjdump_list(proc.stdout, kind)]
+
+
+@pytest.fixture
+def installed_library():
+    """installed_library(env) -> InstalledLibrary: the build record and loader status as the
+    installed package reports them (in the venv's own interpreter, outside the source tree), and
+    the cubins and PTX in the library's fat binary. What proves a local compile happened and
+    installed: nvcc is reached through CUDA_HOME, out of sight of compiler_spy's PATH."""
+
+    def inspect(env: Venv) -> InstalledLibrary:
+        facts = json.loads(env.py(_INSTALLED_LIBRARY_PROBE).stdout.strip().splitlines()[-1])
+        library = Path(facts.pop("library")) if facts["library"] else None
+        cubins = _cuobjdump_archs(library, "elf") if library else []
+        ptx = _cuobjdump_archs(library, "ptx") if library else []
+        return InstalledLibrary(library=library, cubins=cubins, ptx=ptx, **facts)
+
+    return inspect

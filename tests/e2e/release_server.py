@@ -34,6 +34,7 @@ import argparse
 import mimetypes
 import secrets
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -84,6 +85,20 @@ class _HTTPServer(ThreadingHTTPServer):
         self.connections_lock = threading.Lock()
         super().__init__(address, _Handler)
 
+    def finish_request(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's signature
+        context = self.release_server.ssl_context
+        if context is None:
+            super().finish_request(request, client_address)
+            return
+        # The TLS handshake runs here, in the connection's own thread, bounded: a client that
+        # rejects the certificate (or says nothing) never holds up the accept loop.
+        request.settimeout(CONNECTION_TIMEOUT_S)
+        tls = context.wrap_socket(request, server_side=True)
+        try:
+            super().finish_request(tls, client_address)
+        finally:
+            self.shutdown_request(tls)
+
     def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's signature
         # A client hanging up mid-response (the truncation fault, a cancelled download) is normal
         # here; keep it off stderr and inspectable.
@@ -131,8 +146,13 @@ class ReleaseServer:
     """GitHub Releases on 127.0.0.1, on a free port, until `close()` (or the `with` block ends)."""
 
     def __init__(self, root: Path, *, repo: str = DEFAULT_REPO, port: int = 0,
-                 on_request: Optional[Callable[[Request], None]] = None) -> None:
+                 on_request: Optional[Callable[[Request], None]] = None,
+                 ssl_context: Optional[ssl.SSLContext] = None, host_name: str = HOST) -> None:
+        """`ssl_context`: serve https with it (a server context holding the certificate);
+        `host_name`: the name its URLs and redirects use (it still listens on 127.0.0.1 only)."""
         self.root = Path(root)
+        self.ssl_context = ssl_context
+        self.host_name = host_name
         self.repo = repo.strip("/")
         self._on_request = on_request
         self._lock = threading.Lock()
@@ -183,7 +203,7 @@ class ReleaseServer:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{self.host_name}:{self.port}"
 
     def base_url(self, tag: str) -> str:
         """What CUDELTA_WHEEL_URL points at: the release's download folder."""

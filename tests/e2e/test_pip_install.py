@@ -156,20 +156,22 @@ def test_no_build_isolation_takes_the_same_path(base_cu, fresh_venv, sdist, serv
     assert installed_record(env)["build"]["build"] == "release"
 
 
-def test_force_build_compiles_locally_and_never_calls_the_server(base_cu, fresh_venv, sdist, server, tmp_path,
-                                                                 compiler_spy):
+def test_force_build_compiles_locally_installs_and_loads_and_never_calls_the_server(
+        base_cu, fresh_venv, sdist, server, tmp_path, installed_library):
     env = fresh_venv(base_cu)
-    e = install_env(server, tmp_path / "cache", FORCE_BUILD="1", TORCH_CUDA_ARCH_LIST="9.0a")
-    out = pip_output(env.pip("install", "-v", sdist, env=compiler_spy.path_env(e)))
+    e = install_env(server, tmp_path / "cache", FORCE_BUILD="1", TORCH_CUDA_ARCH_LIST="9.0a", MAX_JOBS="2")
+    out = pip_output(env.pip("install", "-v", sdist, env=e))
 
     assert "FORCE_BUILD=1: compiling locally, no download" in out
     assert "compiling for sm_90a" in out
-    assert any("ops.cpp" in line for line in compiler_spy.compiles())  # the host compiler really ran
     assert "cp310-abi3-linux_x86_64" in wheel_line(out)
     assert server.paths() == []
-    record = installed_record(env)
-    assert record["build"]["build"] == "local" and record["build"]["archs"] == ["sm_90a"]
-    assert record["source"] is None
+    source = json.loads(installed_record(env)["source"])  # a compile records what it was made for, like a prebuilt
+    assert source["kind"] == "local" and source["reason"] == "FORCE_BUILD=1: compiling locally, no download"
+    assert source["chosen"]["archs"] == ["sm_90a"] and source["machine"]["driver_cuda"] is None
+    # The compile is proven by what it made, not by a PATH spy (nvcc is reached through CUDA_HOME):
+    # the package's record says local, and the installed library holds the one cubin asked for.
+    assert installed_library(env).local_build_problems(env, ["sm_90a"]) == []
 
 
 def test_no_build_without_a_matching_asset_fails_clearly_and_installs_nothing(base_cu, fresh_venv, sdist, server,
@@ -182,6 +184,10 @@ def test_no_build_without_a_matching_asset_fails_clearly_and_installs_nothing(ba
     assert proc.returncode != 0
     assert "the NVIDIA driver supports CUDA 12.8, older than the 13.0" in out
     assert "CUDELTA_NO_BUILD=1 forbids compiling" in out
+    # torch 2.14.1+cu130 and nvcc are here: the compile it forbade is a way out, beside the pure wheel.
+    final = [line.strip() for line in out.splitlines() if "cudelta: " in line][-1]
+    assert "Ways out: CUDELTA_DRIVER_CUDA=cpu installs the pure-Python wheel" in final
+    assert final.endswith("; unset CUDELTA_NO_BUILD to compile here.")
     assert "Traceback" not in out
     assert compiler_spy.compiles() == []
     assert not env.has("cudelta")
@@ -264,6 +270,8 @@ def test_a_cpu_arch_the_release_has_no_cuda_build_for_gets_the_pure_python_wheel
     assert not any(p.endswith(".whl") for p in server.paths()) and asset not in out
     record = installed_record(env)
     assert record["library"] is None and record["build"] is None
+    source = json.loads(record["source"])
+    assert source["kind"] == "pure" and source["pure_because"] == "platform"
 
 
 @pytest.mark.parametrize("bad,line", [

@@ -4,6 +4,7 @@ reader; and the older spelling the readers still accept."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -57,8 +58,11 @@ def test_a_real_record_passes_every_reader(tmp_path):
     header = build_record.write_header(record, tmp_path / "generated").read_text()
     embedded = re.search(r'R"cudelta\((.*)\)cudelta"', header).group(1)
     assert build_record.loads(embedded) == record
-    # The library's error messages name the same reinstall command as the loader's.
-    assert f'kReinstall = "{build_record.reader.REINSTALL}";' in header
+    # The library's error messages name the same reinstall commands as the loader's, with the
+    # build variables before each (as csrc/ops.cpp's fix_command joins the parts).
+    parts = json.loads("[" + re.search(r"kReinstallParts\[\] = \{(.*)\};", header).group(1) + "]")
+    env = "FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST=9.0"
+    assert (env + " ").join(parts) == build_record.reader.reinstall(env)
 
     # The run-time loader, before dlopen.
     from cudelta import _native
@@ -104,3 +108,18 @@ def test_what_is_not_a_record_is_refused_by_name(data, message):
         build_record.parse(data)
     with pytest.raises(build_record.BuildRecordError, match="archs is 'sm_80'"):
         build_record.parse({"archs": "sm_80"}, required=())
+
+
+def test_the_reinstall_hint_touches_only_cudelta_with_pip_and_with_uv():
+    # --force-reinstall without --no-deps reinstalls torch too: gigabytes, and PyPI's default build
+    # in place of the user's +cuXYZ one.
+    pip, uv = build_record.reader.reinstall_commands("FORCE_BUILD=1")
+    assert pip == "FORCE_BUILD=1 pip install --force-reinstall --no-deps --no-cache-dir cudelta"
+    assert uv == "FORCE_BUILD=1 uv pip install --reinstall-package cudelta --no-deps --no-cache cudelta"
+    assert build_record.reader.REINSTALL == f"{pip[len('FORCE_BUILD=1 '):]} (uv: {uv[len('FORCE_BUILD=1 '):]})"
+
+
+def test_readme_gives_the_same_reinstall_commands():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for command in build_record.reader.reinstall_commands():
+        assert f"`{command}`" in readme

@@ -274,3 +274,43 @@ def test_closest_asset_explains():
     m = manifest(asset("12.9", platform="manylinux_2_28_aarch64"), asset("13.0", archs=("sm_80",), ptx=()))
     choice = choose(m, TARGET, "0.1.0")
     assert choice.reason.startswith("GPU 0 (compute 9.0) has no cubin or PTX in cudelta-0.1.0+cu130")
+
+
+# --- every asset's verdict (CUDELTA_EXPLAIN, the install record, python -m cudelta) -----------
+
+
+def test_the_choice_keeps_each_asset_not_chosen_with_the_rule_it_failed():
+    cu129, cu130, arm = asset("12.9"), asset("13.0"), asset("13.0", platform="manylinux_2_28_aarch64")
+    choice = choose(manifest(cu129, cu130, arm), target(driver_cuda=(12, 8)), "0.1.0")
+    assert choice.asset == cu129
+    assert choice.rejected == [
+        (cu130.name, f"the NVIDIA driver supports CUDA 12.8, older than the 13.0 that {cu130.name} needs "
+                     "(update the driver)"),
+        (arm.name, "built for manylinux_2_28_aarch64, not manylinux_2_36_x86_64"),
+    ]
+    assert choice.candidates == (cu129, cu130)  # what another x86_64 machine may get
+
+
+def test_the_explain_table_gives_every_asset_a_verdict():
+    cu129, cu130 = asset("12.9"), asset("13.0")
+    old_gpu = target(driver_cuda=(13, 0), gpus=(Gpu(0, "Tesla V100", 7, 0),))
+    assert choose(manifest(cu129, cu130), target(), "0.1.0").table() == [
+        f"fits     {cu129.name}: matches too; {cu130.name} comes first (the newest toolkit this driver runs)",
+        f"chosen   {cu130.name}: matches: driver CUDA 13.0, GPU 0 sm_90 via sm_90a cubin, manylinux_2_36_x86_64",
+    ]
+    assert choose(manifest(cu129, cu130), old_gpu, "0.1.0").table() == [
+        f"rejected {a.name}: GPU 0 (compute 7.0) has no cubin or PTX in {a.name}: release archs "
+        "sm_80, sm_90a, sm_100f, sm_120f + compute_120" for a in (cu129, cu130)
+    ]
+
+
+def test_without_a_driver_the_table_says_why_the_newer_build_waits():
+    cu129, cu130 = asset("12.9"), asset("13.0")
+    (row,) = [r for r in choose(manifest(cu129, cu130), target(driver_cuda=None, gpus=()), "0.1.0").table()
+              if r.startswith("fits")]
+    assert row == (f"fits     {cu130.name}: matches too; with no driver visible {cu129.name} comes first "
+                   "(driver floor 12.0, the lowest, then the newest toolkit)")
+
+
+def test_the_pure_python_choice_looks_at_no_asset():
+    assert choose(manifest(), target(os_name="darwin", machine="arm64"), "0.1.0").table() == []

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from cudelta import _native  # noqa: E402
+from cudelta import _build_record, _native  # noqa: E402
 from decode_loop import inputs, loop_reference  # noqa: E402
 from kernel_table import variant_table  # noqa: E402
 
@@ -19,7 +19,7 @@ def test_any_cuda_build_of_torch_above_the_floor_loads_it():
 
 def test_a_driver_older_than_the_toolkit_major_names_both_and_the_reinstall_command():
     msg = _native.compatibility_problem(INFO, "2.11.0+cu128", "12.8", (12, 8))
-    assert "CUDA 12.8" in msg and ">= 13.0" in msg and "--force-reinstall" in msg and "--no-cache-dir" in msg
+    assert "CUDA 12.8" in msg and ">= 13.0" in msg and _build_record.REINSTALL in msg and "--no-deps" in msg
 
 
 def test_an_unseen_driver_is_not_a_reason_to_refuse():

@@ -1,12 +1,16 @@
 """The PyTorch reference against a per-request, per-head float64 loop written straight from the decode
 step in ARCHITECTURE.md."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import cudelta  # noqa: E402
 from cudelta.reference import (  # noqa: E402
+    HEAD_DIMS,
     gdn_decode_reference,
     gdn_gate,
     kda_decode_reference,
@@ -14,28 +18,83 @@ from cudelta.reference import (  # noqa: E402
 )
 from decode_loop import inputs, loop_reference, raw_gates  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/step_tolerance.py
+from step_tolerance import assert_each_element_close, step_magnitudes  # noqa: E402
+
+
+def assert_untouched_slots_bit_identical(state, before, idx, lowest=0):
+    named = {int(s) for s in idx.tolist() if lowest <= s < state.shape[0]}
+    untouched = [s for s in range(state.shape[0]) if s not in named]
+    assert untouched and torch.equal(state[untouched], before[untouched]), "a slot not named by idx changed"
+
+
+SERVED_HEAD_DIMS = [(K, V) for K in HEAD_DIMS for V in HEAD_DIMS]
+# The fp32 reference against float64, element by element (tests/step_tolerance.py): a sum over K
+# in fp32 is off by a few eps32 of the sum of its |terms|; 4e-6 is 32 eps32.
+REFERENCE_REL = 4e-6
+
+
+def assert_matches_the_loop(out, state, expected, expected_state, mags):
+    assert_each_element_close(out, expected, mags.out, "output", rel=REFERENCE_REL)
+    assert_each_element_close(state, expected_state, mags.state, "state", rel=REFERENCE_REL)
+
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("l2norm", [True, False])
-@pytest.mark.parametrize("K,V", [(64, 64), (128, 64), (64, 256)])
+@pytest.mark.parametrize("K,V", SERVED_HEAD_DIMS)
 def test_gdn_matches_the_loop_and_skips_invalid_slots(layout, l2norm, K, V):
     q, k, v, g, beta, state, idx = inputs(K=K, V=V, layout=layout)
+    before = state.clone()
     expected_state = state.clone()
     expected = loop_reference(q, k, v, g, beta, expected_state, idx, 0.25, l2norm, layout)
     out = gdn_decode_reference(q, k, v, g, beta, state, idx, scale=0.25, use_qk_l2norm=l2norm, layout=layout)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+    mags = step_magnitudes(q, k, v, g, beta, before, idx, scale=0.25, use_qk_l2norm=l2norm, layout=layout)
+    assert_matches_the_loop(out, state, expected, expected_state, mags)
     assert torch.all(out[1] == 0) and torch.all(out[4] == 0)
+    assert_untouched_slots_bit_identical(state, before, idx)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_kda_per_channel_decay_matches_the_loop(layout):
-    q, k, v, g, beta, state, idx = inputs(kda=True, layout=layout)
+@pytest.mark.parametrize("K,V", SERVED_HEAD_DIMS)
+def test_kda_per_channel_decay_matches_the_loop(layout, K, V):
+    q, k, v, g, beta, state, idx = inputs(K=K, V=V, kda=True, layout=layout)
+    before = state.clone()
     expected_state = state.clone()
-    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 64 ** -0.5, True, layout)
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, K ** -0.5, True, layout)
     out = kda_decode_reference(q, k, v, g, beta, state, idx, use_qk_l2norm=True, layout=layout)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+    mags = step_magnitudes(q, k, v, g, beta, before, idx, use_qk_l2norm=True, layout=layout)
+    assert_matches_the_loop(out, state, expected, expected_state, mags)
+    assert_untouched_slots_bit_identical(state, before, idx)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("K,V", SERVED_HEAD_DIMS)
+def test_bf16_state_at_every_head_dim_is_one_rounding_of_the_loop(kda, K, V):
+    q, k, v, g, beta, state, idx = inputs(K=K, V=V, kda=kda, layout="vk", state_dtype=torch.bfloat16)
+    before = state.clone()
+    expected_state = state.clone()
+    expected = loop_reference(q, k, v, g, beta, expected_state, idx, 0.125, True, "vk")
+    ref = kda_decode_reference if kda else gdn_decode_reference
+    out = ref(q, k, v, g, beta, state, idx, scale=0.125, use_qk_l2norm=True, layout="vk")
+    mags = step_magnitudes(q, k, v, g, beta, before, idx, scale=0.125, use_qk_l2norm=True, layout="vk")
+    assert_matches_the_loop(out, state, expected, expected_state, mags)
+    assert_untouched_slots_bit_identical(state, before, idx)
+
+
+def test_the_per_element_check_catches_an_error_the_largest_value_would_hide():
+    # An element 100x smaller than the largest, off by 5% of itself: well inside 1e-4 of the largest
+    # value (the old measure), far outside its own tolerance.
+    q, k, v, g, beta, state, idx = inputs(K=64, V=64)
+    before = state.clone()
+    out = gdn_decode_reference(q, k, v, g, beta, state, idx, scale=0.25)
+    mags = step_magnitudes(q, k, v, g, beta, before, idx, scale=0.25)
+    flat = out.abs().reshape(-1)
+    small = int(((flat - flat.max() / 100).abs() + (flat == 0) * 1e9).argmin())
+    bad = out.clone()
+    bad.view(-1)[small] *= 1.05
+    assert (bad - out).abs().max() / out.abs().max() < 1e-3
+    with pytest.raises(AssertionError, match=r"output\[.*\]: .* > tolerance"):
+        assert_each_element_close(bad, out, mags.out, "output")
 
 
 @pytest.mark.parametrize("kda", [False, True])

@@ -44,6 +44,7 @@ HOSTILE: dict[str, list[str]] = {
     "offline": BOOLEAN_CASES,
     "release_build": BOOLEAN_CASES,
     "trust_downloaded_manifest": BOOLEAN_CASES,
+    "explain": BOOLEAN_CASES,
     "wheel_url": [
         "http://exa mple.com/r", "https://h.example/a b", "http://h/\x00", "http://h/\x7f", "https://h/\u00a0x",
         "https://h/\u200bx", "http://[::1", "http://h:99999/", "http://h:-1/", "http://h:port/", "http://",
@@ -73,6 +74,14 @@ HOSTILE: dict[str, list[str]] = {
     "http_retries": ["-1", "100", "101", "1e2", "2.5", "99999999999999999999"],
     "http_deadline": ["0.5", "1", "86400", "86401", "1e10", "5min", "300 "],
     "http_min_rate": ["-1", "1e10", "1000000", "1000001", "32KB/s", "-0.0"],
+    **{ca: ["/nonexistent/ca.pem", "relative/ca.pem", "/tmp/ca\x00.pem", "~nosuchuser/ca.pem", "/" + "c" * 5000,
+            THIS_FILE, "/", "/etc/ssl/certs"] for ca in ("pip_cert", "ca_bundle", "ssl_cert_file")},
+    **{proxy: ["proxy:3128", "http://proxy.example:3128", "http://user:s3cret@proxy:3128", "http://proxy:99999",
+               "http://user:s3cret@proxy:99999", "http://user:s3cret@pro xy:1",
+               "http://proxy:port", "http://[::1", "ftp://proxy:21", "http://pro xy:3128", "http://proxy\x00:3128",
+               "socks5h://127.0.0.1:1080", "http://", "://", "https://proxy.example"]
+       for proxy in ("http_proxy", "https_proxy", "all_proxy", "pip_proxy")},
+    "no_proxy": ["*", "localhost,.corp.example,10.0.0.0/8", ",,,", "a\x00b", "host:8080", "\u202ehost", " , "],
     "github_token": ["ghp_ a", "ghp_\x00x", "ghp_é", "t" * 256, "t" * 255, "Bearer ghp_x", "ghp_ok123"],
 }
 
@@ -118,7 +127,7 @@ def _or_unset(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 # Field -> what a parsed value must be to be usable where it is consumed.
 SANE: dict[str, Callable[[Any], bool]] = {
     **{name: (lambda v: type(v) is bool) for name in
-       ("force_build", "no_build", "offline", "release_build", "trust_downloaded_manifest")},
+       ("force_build", "no_build", "offline", "release_build", "trust_downloaded_manifest", "explain")},
     "wheel_url": _or_unset(_sane_url),
     "cache_dir": _or_unset(_sane_path),
     "driver_cuda": _or_unset(_sane_driver),
@@ -131,8 +140,14 @@ SANE: dict[str, Callable[[Any], bool]] = {
     "http_deadline": _finite_in(1, 86400),
     "http_min_rate": _finite_in(0, 1e6),
     "github_token": _or_unset(lambda v: bool(re.fullmatch(r"[\x21-\x7e]{1,255}", v))),
+    **{ca: _or_unset(lambda v: _sane_path(v) and v.exists()) for ca in ("pip_cert", "ca_bundle", "ssl_cert_file")},
+    **{proxy: _or_unset(lambda v: _clean(v) and " " not in v and bool(urlparse(v).hostname))
+       for proxy in ("http_proxy", "https_proxy", "all_proxy", "pip_proxy")},
+    "no_proxy": _or_unset(lambda v: isinstance(v, tuple) and all(e and _clean(e) and " " not in e for e in v)),
 }
 
+# A proxy URL is shown in a refusal (it names the host to fix), its password never.
+PROXIES = ("http_proxy", "https_proxy", "all_proxy", "pip_proxy")
 VARIABLES = [(field, name) for field, f in FIELDS.items() for name in f.metadata["env"]]
 
 
@@ -167,7 +182,10 @@ def test_each_value_parses_to_a_sane_value_or_is_refused_in_one_line_naming_the_
                 problems.append(f"{raw!r}: the message does not start with {name}: {message!r}")
             elif not (message.isascii() and message.isprintable() and len(message) < 500):
                 problems.append(f"{raw!r}: not one short printable ASCII line: {message!r}")
-            elif FIELDS[field].metadata["secret"] and len(raw.strip()) > 2 and raw.strip() in message:
+            elif field in PROXIES and "s3cret" in message:
+                problems.append(f"{raw!r}: the proxy's password is shown: {message!r}")
+            elif (FIELDS[field].metadata["secret"] and field not in PROXIES and len(raw.strip()) > 2
+                  and raw.strip() in message):
                 problems.append(f"{raw!r}: the secret is shown: {message!r}")
         else:
             if not SANE[field](value):

@@ -195,8 +195,55 @@ def violations_pinned(wfs) -> List[str]:
     return problems
 
 
+SUITE_LISTS = ("scripts/test.sh", "tests/envs.py")  # the package lists the test venvs are made from
+CI_RUN = ROOT / ".ci" / "run"
+
+
+def suite_jobs(wfs) -> List[Tuple[str, str, dict]]:
+    """Jobs of pull-request workflows whose step runs `.ci/run`, the CI machine's command."""
+    return [(w, j, job) for w, j, job in jobs(wfs) if "pull_request" in triggers(wfs[w])
+            and any(str(s.get("run", "")).strip() == ".ci/run" for s in job.get("steps", []))]
+
+
+def cache_steps_keyed_on_lists(job: dict) -> List[dict]:
+    keyed = []
+    for step in steps_using(job, "actions/cache"):
+        key = str(step.get("with", {}).get("key", ""))
+        hashed = re.search(r"hashFiles\(([^)]*)\)", key)
+        if hashed and all(f"'{name}'" in hashed.group(1) for name in SUITE_LISTS):
+            keyed.append(step)
+    return keyed
+
+
+def violations_pr_runs_the_suite(wfs) -> List[str]:
+    """A pull request runs what .ci/run runs (e2e included), with the test venvs and pip's cache
+    restored under keys that change with the package lists; no PR step deselects e2e."""
+    problems = []
+    found = suite_jobs(wfs)
+    if len(found) != 1:
+        return [f"expected one pull-request job running .ci/run, found {[(w, j) for w, j, _ in found]}"]
+    _, job_id, job = found[0]
+    test_cache = str((job.get("env") or {}).get("CUDELTA_TEST_CACHE", ""))
+    prefix = "${{ github.workspace }}/"
+    if not test_cache.startswith(prefix):
+        problems.append(f"{job_id}: CUDELTA_TEST_CACHE is {test_cache!r}, not a folder of the workspace")
+    paths = [str(s["with"].get("path", "")).strip() for s in cache_steps_keyed_on_lists(job)]
+    venvs = test_cache[len(prefix):] + "/venvs"
+    if venvs not in paths:
+        problems.append(f"{job_id}: no actions/cache of {venvs} keyed on {SUITE_LISTS} (cached: {paths})")
+    if "~/.cache/pip" not in paths:
+        problems.append(f"{job_id}: no actions/cache of ~/.cache/pip keyed on {SUITE_LISTS} (cached: {paths})")
+    for wf_name, other_id, other in jobs(wfs):
+        if "pull_request" not in triggers(wfs[wf_name]):
+            continue
+        for step in other.get("steps", []):
+            if re.search(r"not\s+e2e", str(step.get("run", ""))):
+                problems.append(f"{wf_name}:{other_id} deselects the e2e tests: {step['run'].strip()!r}")
+    return problems
+
+
 RULES = [violations_build_cells, violations_artifact_names, violations_id_token, violations_pypi_sdist_only,
-         violations_self_hosted, violations_pinned]
+         violations_self_hosted, violations_pinned, violations_pr_runs_the_suite]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)
@@ -258,6 +305,34 @@ def mutate_tag_pinned(w):
     _job(w, "release.yml", "pypi")["steps"][-1]["uses"] = "pypa/gh-action-pypi-publish@release/v1"
 
 
+def _suite(w):
+    return suite_jobs(w)[0][2]
+
+
+def mutate_suite_skips_e2e(w):
+    for step in _suite(w)["steps"]:
+        if str(step.get("run", "")).strip() == ".ci/run":
+            step["run"] = 'scripts/test.sh -m "not gpu and not e2e"'
+
+
+def mutate_suite_extra_job_skips_e2e(w):
+    w["ci.yml"]["jobs"]["quick"] = {"runs-on": "ubuntu-24.04", "permissions": {"contents": "read"},
+                                    "steps": [{"run": 'scripts/test.sh -m "not gpu and not e2e" -q'}]}
+
+
+def mutate_venv_key_ignores_envs(w):
+    for step in steps_using(_suite(w), "actions/cache"):
+        step["with"]["key"] = step["with"]["key"].replace(", 'tests/envs.py'", "")
+
+
+def mutate_no_pip_cache(w):
+    _suite(w)["steps"] = [s for s in _suite(w)["steps"] if s.get("with", {}).get("path") != "~/.cache/pip"]
+
+
+def mutate_suite_not_on_pull_requests(w):
+    w["ci.yml"]["on"] = {"push": {"branches": ["main"]}}
+
+
 MUTATIONS = [
     (violations_build_cells, mutate_cells),
     (violations_artifact_names, mutate_artifact_name),
@@ -268,6 +343,11 @@ MUTATIONS = [
     (violations_self_hosted, mutate_self_hosted_on_pr),
     (violations_pinned, mutate_unpinned),
     (violations_pinned, mutate_tag_pinned),
+    (violations_pr_runs_the_suite, mutate_suite_skips_e2e),
+    (violations_pr_runs_the_suite, mutate_suite_extra_job_skips_e2e),
+    (violations_pr_runs_the_suite, mutate_venv_key_ignores_envs),
+    (violations_pr_runs_the_suite, mutate_no_pip_cache),
+    (violations_pr_runs_the_suite, mutate_suite_not_on_pull_requests),
 ]
 
 
@@ -302,6 +382,25 @@ def test_the_release_runs_scripts_that_exist(wfs):
         for step in job.get("steps", []):
             for script in re.findall(r"scripts/[A-Za-z0-9_.-]+", str(step.get("run", ""))):
                 assert (ROOT / script).is_file(), f"{wf_name}:{job_id} runs missing {script}"
+
+
+def test_ci_run_is_the_whole_no_gpu_suite():
+    # .ci/run hands scripts/test.sh no marker expression, so the suite's default (everything but
+    # gpu) is what the CI machine and the pull-request job run.
+    commands = [line.strip() for line in CI_RUN.read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-1] == "exec scripts/test.sh"
+    assert 'markers="not gpu"' in (ROOT / "scripts" / "test.sh").read_text()
+
+
+def test_every_declared_marker_marks_a_test():
+    import tomllib
+
+    declared = [m.split(":")[0].strip() for m in
+                tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]]
+    sources = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
+    unused = [m for m in declared if not re.search(rf"pytest\.mark\.{m}\b", sources)]
+    assert declared and unused == []
 
 
 if __name__ == "__main__":
