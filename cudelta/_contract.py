@@ -56,8 +56,9 @@ def _dims(shape) -> str:
 
 
 def check_gates(kind, lead, HV, K, g, beta, a, b, A_log, dt_bias) -> None:
-    """The gate errors, named: g or a is lead + [HV] (GDN) or lead + [HV, K] (KDA), beta or b lead + [HV]."""
-    lead = tuple(lead)
+    """The gate errors, named: g or a is lead + [HV] (GDN) or lead + [HV, K] (KDA), beta or b lead + [HV];
+    lead is q's leading shape, or N for one token per request."""
+    lead = (lead,) if isinstance(lead, int) else tuple(lead)
     per_channel = kind == "kda"
     g_shape = lead + ((HV, K) if per_channel else (HV,))
     raw = (a, A_log, dt_bias)

@@ -17,12 +17,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._contract import (  # noqa: F401  (LAYOUTS, check_gates, min_valid_slot: the public names of before)
+from ._contract import (  # noqa: F401  (the names this module exported before _contract held them)
     DEFAULT_NORM_EPS,
+    HEAD_DIMS,
+    INVALID_SLOT_RULES,
     LAYOUTS,
+    STATE_DTYPES,
     Shape,
     check_call,
     check_gates,
+    check_head_dims,
     check_token_values,
     min_valid_slot,
 )
