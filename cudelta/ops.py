@@ -1,7 +1,9 @@
 """Public ops: the CUDA kernel where it can run, the PyTorch reference everywhere else.
 
-Both paths take the same options and check arguments alike (cudelta.reference.check_args and
-check_gates), so a call that is wrong fails the same way on a CPU and on a GPU.
+Both paths take the same options and check arguments alike (cudelta._contract.check_call and
+check_gates), so a call that is wrong fails the same way on a CPU and on a GPU. What the kernels do
+not compute yet (several tokens per request, the epilogue, a padded pool) is refused on CUDA
+tensors by name, never run in the slow reference on the GPU.
 """
 
 from __future__ import annotations
@@ -11,28 +13,67 @@ from typing import Optional
 import torch
 
 from . import _native
-from .reference import (
-    LAYOUTS,
-    check_args,
-    check_gates,
-    gdn_decode_reference,
-    kda_decode_reference,
-    min_valid_slot,
-)
+from ._contract import LAYOUTS, check_call, check_gates, min_valid_slot
+from .reference import gdn_decode_reference, kda_decode_reference
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class NotSupportedOnCUDAError(NotImplementedError):
+    """An option of the contract that this release computes on CPU tensors only (the reference): on
+    CUDA tensors it is refused, never run slowly behind an engine's back."""
+
+
+def _not_on_cuda(q, idx, state, extra, pool_checked) -> list[str]:
+    """The options of a CUDA call that the kernels do not take yet, each named (empty: none); the
+    pool's layout only where pool_checked (the op itself refuses it on the fast path)."""
+    names = []
+    if q.dim() == 4:
+        names.append(f"q of shape {tuple(q.shape)} (T tokens per request)")
+    if extra["cu_seqlens"] is not None:
+        names.append("cu_seqlens (tokens per request)")
+    if idx.dim() == 2:
+        names.append(f"idx of shape {tuple(idx.shape)} (a state checkpoint per token)")
+    if extra["num_accepted_tokens"] is not None:
+        names.append("num_accepted_tokens")
+    epilogue = [n for n in ("output_gate", "norm_weight", "norm_eps", "gate_activation") if extra[n] is not None]
+    if epilogue:
+        names.append(f"{', '.join(epilogue)} (the gated RMSNorm epilogue)")
+    if pool_checked and not state.is_contiguous():
+        names.append(f"a state pool with slot stride {state.stride(0)} (a padded pool: one slot's block is "
+                     f"{state[0].numel()} elements)")
+    return names
+
+
+def _refuse(names: list[str]) -> NotSupportedOnCUDAError:
+    return NotSupportedOnCUDAError(
+        f"cudelta: {'; '.join(names)}: not yet supported by the CUDA kernels of this release (CPU tensors run it "
+        "in the PyTorch reference; see README, 'Multi-token decode')")
+
+
 def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout, invalid_slot,
-            out):
+            out, extra):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     options = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout,
-                   invalid_slot=invalid_slot, out=out)
+                   invalid_slot=invalid_slot, out=out, **extra)
     reference = gdn_decode_reference if kind == "gdn" else kda_decode_reference
     args = (q, k, v, g, beta, state, idx)
     if not q.is_cuda:
         _native.notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)")
         return reference(*args, **options)
+
+    def check():
+        shape = check_call(q, k, v, state, idx, layout, out, **extra)
+        check_gates(kind, shape.lead, shape.HV, shape.K, g, beta, a, b, A_log, dt_bias)
+
+    # One look at a few attributes: the options the kernels lack are refused on every CUDA path (a slow
+    # reference on the GPU is what an engine would never notice), after the checks that name a
+    # malformed argument as on the CPU.
+    if q.dim() != 3 or idx.dim() != 1 or any(x is not None for x in extra.values()):
+        check()
+        unsupported = _not_on_cuda(q, idx, state, extra, pool_checked=True)
+        if unsupported:
+            raise _refuse(unsupported)
     st = _native.status()
     if not st.loaded:
         if st.path is not None:  # a library that exists but cannot run here is an error, not a slow path
@@ -44,11 +85,6 @@ def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use
                             "using the reference")
         return reference(*args, **options)
     lowest = min_valid_slot(invalid_slot)
-
-    def check():
-        check_args(q, k, v, state, idx, layout, out)
-        check_gates(kind, q.shape[0], v.shape[1], q.shape[2], g, beta, a, b, A_log, dt_bias)
-
     compiling = torch.compiler.is_compiling()
     if layout not in LAYOUTS or compiling:
         check()  # traced once under torch.compile: free at run time
@@ -58,15 +94,20 @@ def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use
     args = (q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, LAYOUTS.index(layout),
             lowest, st.variant)
     if compiling:
+        if not state.is_contiguous():
+            check()
+            raise _refuse(_not_on_cuda(q, idx, state, extra, pool_checked=True))
         op(*args)
         return out
     # Eager: the op checks every argument before it launches anything (nothing is written when it
     # refuses), so the Python checks, 4 us a call, run only to name a refused argument the way the
-    # reference path does.
+    # reference path does, or the padded pool the kernels do not take yet.
     try:
         op(*args)
     except RuntimeError:
         check()
+        if not state.is_contiguous():
+            raise _refuse(_not_on_cuda(q, idx, state, extra, pool_checked=True)) from None
         raise
     return out
 
@@ -89,20 +130,49 @@ def gdn_decode(
     layout: str = "kv",
     invalid_slot: str = "negative",
     out: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    output_gate: Optional[torch.Tensor] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: Optional[float] = None,
+    gate_activation: Optional[str] = None,
 ) -> torch.Tensor:
-    """One Gated DeltaNet decode step; `state[idx[n]]` is updated in place, returns o [N, HV, V].
+    """Gated DeltaNet decode: each request's tokens in order, the pool updated in place; returns o
+    of v's shape and dtype.
 
-    q, k [N, H, K]; v [N, HV, V] (HV a multiple of H); K and V each 64, 128 or 256.
+    One token per request (as before): q, k [N, H, K]; v [N, HV, V] (HV a multiple of H); K and V
+    each 64, 128 or 256; idx [N] int32/int64: state[idx[n]] is read and written in place.
     Gates, either precomputed: g (log-decay) and beta [N, HV]; or raw and fused into the kernel:
     g=None with a [N, HV], A_log [HV], dt_bias [HV] (g = -exp(A_log) * softplus(a + dt_bias)),
     and beta=None with b [N, HV] (beta = sigmoid(b)). The two halves may be mixed.
     state: the pool, [P, HV, K, V] (layout="kv") or [P, HV, V, K] (layout="vk", vLLM's), float32 or
-    bfloat16 (math in float32). idx [N] int32/int64: a request whose slot is < 0 (or <= 0 with
+    bfloat16 (math in float32); each slot's block contiguous, slots any whole number of elements
+    >= one block apart (vLLM's padded pages). A request whose slot is < 0 (or <= 0 with
     invalid_slot="nonpositive", slot 0 being an engine's null block) or >= P gets a zero output and
-    touches no state. out: an optional preallocated [N, HV, V] buffer of v's dtype.
+    touches no state. out: an optional preallocated buffer of v's shape and dtype.
+
+    Several tokens per request (speculative decoding): q, k [N, T, H, K], v [N, T, HV, V] and the
+    per-token gates [N, T, ...]; or a flat token dimension, q, k [tokens, H, K] and so on, with
+    cu_seqlens [N+1] (request n's tokens are cu_seqlens[n]:cu_seqlens[n+1]; T may differ per
+    request; tokens after cu_seqlens[N] get zero outputs). idx [N] writes the state after the last
+    token at idx[n]; idx [N, C] (C >= every T) stores the state after token t at idx[n, t] (an
+    invalid slot is not written) and starts from the state at idx[n, 0], or at
+    idx[n, num_accepted_tokens[n] - 1] with num_accepted_tokens [N]; a request with no valid
+    starting slot gets zero outputs and writes nothing. The state is carried in fp32 from token to
+    token.
+
+    Epilogue (vLLM's gated RMSNorm): with output_gate z (v's shape) and norm_weight w [V], each
+    head's output o, rounded to its dtype, becomes o * rsqrt(mean(o^2) + norm_eps) * w * act(z),
+    rounded again; act = gate_activation ("silu", the default, or "sigmoid"); norm_eps 1e-5 unless
+    given.
+
+    Several tokens, the epilogue and a padded pool run on CPU tensors (the reference); on CUDA
+    tensors this release raises NotSupportedOnCUDAError naming them.
     """
     return _decode("gdn", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout,
-                   invalid_slot, out)
+                   invalid_slot, out, dict(cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+                                           output_gate=output_gate, norm_weight=norm_weight, norm_eps=norm_eps,
+                                           gate_activation=gate_activation))
 
 
 def kda_decode(
@@ -123,8 +193,16 @@ def kda_decode(
     layout: str = "kv",
     invalid_slot: str = "negative",
     out: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    output_gate: Optional[torch.Tensor] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: Optional[float] = None,
+    gate_activation: Optional[str] = None,
 ) -> torch.Tensor:
-    """One Kimi Delta Attention decode step: as gdn_decode, with a per-channel log-decay g [N, HV, K],
-    or raw a [N, HV, K] with A_log [HV] and dt_bias [HV, K]."""
+    """Kimi Delta Attention decode: as gdn_decode, with a per-channel log-decay g [..., HV, K], or raw
+    a [..., HV, K] with A_log [HV] and dt_bias [HV, K]."""
     return _decode("kda", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout,
-                   invalid_slot, out)
+                   invalid_slot, out, dict(cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+                                           output_gate=output_gate, norm_weight=norm_weight, norm_eps=norm_eps,
+                                           gate_activation=gate_activation))

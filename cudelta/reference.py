@@ -1,10 +1,13 @@
 """PyTorch reference of the delta-rule decode step (ARCHITECTURE.md, "The decode step").
 
 Runs anywhere torch runs: it is what CPU tensors and pure-Python wheels use, and what the CUDA
-kernels are tested against. It takes every option the kernels take (both state layouts, fp32 or
-bf16 state, raw or precomputed gates, both invalid-slot rules, an `out=` buffer) and checks its
-arguments the same way, so one call behaves alike on either path. Math in fp32; the state pool is
-updated in place for valid slots only, so slots not named by `idx` stay bit-identical.
+kernels are tested against. It takes every option of the contract (both state layouts, fp32 or
+bf16 state, raw or precomputed gates, both invalid-slot rules, an `out=` buffer; several tokens per
+request with a state checkpoint per token and a starting slot chosen by the accepted tokens; the
+gated RMSNorm epilogue; vLLM's padded pool) and checks its arguments with cudelta._contract, as
+the kernel path does, so one call behaves alike on either path. Math in fp32, the state carried in
+fp32 from token to token; the pool is written at valid slots only, so every other byte of it (slots
+not named, an engine's padding between slots) stays bit-identical.
 """
 
 from __future__ import annotations
@@ -14,64 +17,34 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-LAYOUTS = ("kv", "vk")
-INVALID_SLOT_RULES = ("negative", "nonpositive")
-HEAD_DIMS = (64, 128, 256)
-STATE_DTYPES = (torch.float32, torch.bfloat16)
+from ._contract import (  # noqa: F401  (the names this module exported before _contract held them)
+    DEFAULT_NORM_EPS,
+    HEAD_DIMS,
+    INVALID_SLOT_RULES,
+    LAYOUTS,
+    STATE_DTYPES,
+    Shape,
+    check_call,
+    check_gates,
+    check_head_dims,
+    check_token_values,
+    min_valid_slot,
+)
 
 
 def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Raw GDN gate a [N, HV] -> log-decay g = -exp(A_log) * softplus(a + dt_bias)."""
+    """Raw GDN gate a [..., HV] -> log-decay g = -exp(A_log) * softplus(a + dt_bias)."""
     return -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float(), beta=1.0, threshold=20.0)
 
 
 def kda_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Raw KDA gate a [N, HV, K] with A_log [HV], dt_bias [HV, K] -> per-channel log-decay."""
+    """Raw KDA gate a [..., HV, K] with A_log [HV], dt_bias [HV, K] -> per-channel log-decay."""
     return -torch.exp(A_log.float())[:, None] * F.softplus(a.float() + dt_bias.float(), beta=1.0, threshold=20.0)
 
 
-def min_valid_slot(invalid_slot: str) -> int:
-    """The lowest slot that holds a state: 0, or 1 where slot 0 is the engine's null block (vLLM)."""
-    if invalid_slot not in INVALID_SLOT_RULES:
-        raise ValueError(f"invalid_slot={invalid_slot!r} is not accepted; expected one of {INVALID_SLOT_RULES}")
-    return 0 if invalid_slot == "negative" else 1
-
-
-def check_head_dims(K: int, V: int) -> None:
-    for name, size in (("K", K), ("V", V)):
-        if size not in HEAD_DIMS:
-            raise ValueError(f"head dim {name}={size} is not supported; accepted: {', '.join(map(str, HEAD_DIMS))}")
-
-
-def check_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias) -> None:
-    """The gate errors, named, without computing anything: the reference and the kernel path
-    (cudelta.ops, per call) both check with this."""
-    per_channel = kind == "kda"
-    g_shape = (N, HV, K) if per_channel else (N, HV)
-    raw = (a, A_log, dt_bias)
-    if g is not None and any(x is not None for x in raw):
-        raise ValueError("pass either g or the raw gate (a, A_log, dt_bias), not both")
-    if g is None:
-        if any(x is None for x in raw):
-            missing = [n for n, x in zip(("a", "A_log", "dt_bias"), raw) if x is None]
-            raise ValueError(f"no gate: pass g, or a with A_log and dt_bias (missing {', '.join(missing)})")
-        bias_shape = (HV, K) if per_channel else (HV,)
-        for name, x, want in (("a", a, g_shape), ("A_log", A_log, (HV,)), ("dt_bias", dt_bias, bias_shape)):
-            if tuple(x.shape) != want:
-                raise ValueError(f"{kind.upper()} {name} must be {list(want)}; got {list(x.shape)}")
-    elif tuple(g.shape) != g_shape:
-        hint = " (per-channel gates are KDA)" if not per_channel and g.dim() == 3 else ""
-        raise ValueError(f"{kind.upper()} g must be {list(g_shape)}; got {list(g.shape)}{hint}")
-    if (beta is None) == (b is None):
-        raise ValueError("pass exactly one of beta (in (0, 1)) and b (raw, sigmoid applied)")
-    x = beta if beta is not None else b
-    if tuple(x.shape) != (N, HV):
-        raise ValueError(f"{'beta' if beta is not None else 'b'} must be [{N}, {HV}]; got {list(x.shape)}")
-
-
-def resolve_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias):
+def resolve_gates(kind, lead, HV, K, g, beta, a, b, A_log, dt_bias):
     """(log-decay, beta) in fp32 from either the precomputed or the raw form, with named errors."""
-    check_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias)
+    check_gates(kind, lead, HV, K, g, beta, a, b, A_log, dt_bias)
     if g is None:
         g = (kda_gate if kind == "kda" else gdn_gate)(a, A_log, dt_bias)
     return g.float(), (beta.float() if beta is not None else torch.sigmoid(b.float()))
@@ -81,25 +54,26 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def check_args(q, k, v, state, idx, layout, out):
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not accepted; expected one of {LAYOUTS}")
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [N, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
-    N, H, K = q.shape
-    if v.dim() != 3 or v.shape[0] != N or v.shape[1] % H:
-        raise ValueError(f"v must be [N, HV, V] with HV a multiple of H={H}; got {tuple(v.shape)}")
-    HV, V = v.shape[1], v.shape[2]
-    check_head_dims(K, V)
-    want = (HV, K, V) if layout == "kv" else (HV, V, K)
-    if state.dim() != 4 or tuple(state.shape[1:]) != want:
-        raise ValueError(f"state must be [P, {', '.join(map(str, want))}] for layout {layout!r}; got {tuple(state.shape)}")
-    if state.dtype not in STATE_DTYPES:
-        raise ValueError(f"state dtype {state.dtype} is not accepted; expected one of: float32, bfloat16")
-    if idx.shape != (N,) or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx must be an int32/int64 tensor of shape [{N}]; got {idx.dtype} {tuple(idx.shape)}")
-    if out is not None and (tuple(out.shape) != (N, HV, V) or out.dtype != v.dtype):
-        raise ValueError(f"out must be a {v.dtype} tensor of shape [{N}, {HV}, {V}]; got {out.dtype} {tuple(out.shape)}")
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, activation: str) -> torch.Tensor:
+    """The epilogue on outputs already rounded to their dtype, as vLLM's fused op and its unfused path
+    (a stored output, then RMSNormGated) compute it: per head over V, in fp32,
+    o * rsqrt(mean(o^2) + eps) * w * act(z), rounded once more to o's dtype."""
+    x = o.float()
+    zf = z.float()
+    gate = torch.sigmoid(zf) if activation == "sigmoid" else zf * torch.sigmoid(zf)
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float() * gate
+    return y.to(o.dtype)
+
+
+def _starting_slots(idx: torch.Tensor, accepted: Optional[torch.Tensor], columns: int) -> torch.Tensor:
+    """Slot of each request's starting state [N] (int64, -1 where no column holds it): idx[n], or
+    idx[n, acc[n] - 1] with idx [N, C] (acc 1 without num_accepted_tokens)."""
+    idx = idx.long()
+    if not columns:
+        return idx
+    col = torch.zeros_like(idx[:, 0]) if accepted is None else accepted.long().to(idx.device) - 1
+    inside = (col >= 0) & (col < columns)
+    return torch.where(inside, idx.gather(1, col.clamp(0, columns - 1)[:, None])[:, 0], -1)
 
 
 def delta_rule_decode_reference(
@@ -116,70 +90,124 @@ def delta_rule_decode_reference(
     layout: str = "kv",
     invalid_slot: str = "negative",
     out: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    output_gate: Optional[torch.Tensor] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: Optional[float] = None,
+    gate_activation: Optional[str] = None,
 ) -> torch.Tensor:
-    """One step. log_decay is [N, HV] (GDN) or [N, HV, K] (KDA), beta [N, HV] in (0, 1).
+    """The step for every request's tokens, in order. log_decay is lead + [HV] (GDN) or lead + [HV, K]
+    (KDA), beta lead + [HV] in (0, 1), where lead is q's leading shape: [N], [N, T] or, with
+    cu_seqlens, [tokens].
 
-    Returns o [N, HV, V] in v's dtype (written into `out` when given); requests whose slot is
-    invalid (negative, or also 0 with invalid_slot="nonpositive", or >= P) get a zero output and
-    leave the pool untouched.
+    Returns o of v's shape and dtype (written into `out` when given). A request whose starting slot
+    is invalid (negative, or also 0 with invalid_slot="nonpositive", or >= P, or no column of idx
+    for its accepted tokens) gets zero outputs and writes nothing; so do tokens outside every
+    request (after cu_seqlens[N]).
     """
-    check_args(q, k, v, state, idx, layout, out)
+    shape = check_call(q, k, v, state, idx, layout, out, cu_seqlens, num_accepted_tokens, output_gate, norm_weight,
+                       norm_eps, gate_activation)
+    cu = check_token_values(shape, cu_seqlens)
     lowest = min_valid_slot(invalid_slot)
-    N, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    P = state.shape[0]
-    scale = K ** -0.5 if scale is None else scale
-    o_all = torch.zeros(N, HV, V, dtype=torch.float32, device=v.device)
-    valid = (idx >= lowest) & (idx < P)
-    if bool(valid.any()):
-        rows = valid.nonzero().squeeze(1)
-        slots = idx[rows].long()
-        group = HV // H
-        qf = q[rows].float().repeat_interleave(group, dim=1)  # [M, HV, K]
-        kf = k[rows].float().repeat_interleave(group, dim=1)
-        if use_qk_l2norm:
-            qf, kf = _l2norm(qf), _l2norm(kf)
-        qf = qf * scale
-        vf = v[rows].float()
-        b = beta[rows].float()[..., None]  # [M, HV, 1]
-        gd = log_decay[rows].float()
-        decay = torch.exp(gd)[..., None] if gd.dim() == 3 else torch.exp(gd)[..., None, None]  # rows of h
-
-        h = state[slots].float()
-        if layout == "vk":
-            h = h.transpose(-1, -2)  # math below is on [K, V]
-        h = h * decay
-        pred = torch.einsum("mhkv,mhk->mhv", h, kf)
-        u = b * (vf - pred)
-        h = h + kf[..., :, None] * u[..., None, :]
-        o_all[rows] = torch.einsum("mhkv,mhk->mhv", h, qf)
-        if layout == "vk":
-            h = h.transpose(-1, -2)
-        state[slots] = h.to(state.dtype)
+    scale = shape.K ** -0.5 if scale is None else scale
+    o, computed = _recurrence(shape, q, k, v, log_decay, beta, state, idx, cu, scale, use_qk_l2norm, layout,
+                              lowest, num_accepted_tokens)
+    if output_gate is not None:
+        eps = DEFAULT_NORM_EPS if norm_eps is None else float(norm_eps)
+        o = gated_rms_norm(o, output_gate.reshape(o.shape), norm_weight, eps, gate_activation or "silu")
+        o = torch.where(computed[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    o = o.reshape(v.shape)
     if out is None:
-        return o_all.to(v.dtype)
-    out.copy_(o_all)
+        return o
+    out.copy_(o)
     return out
 
 
+def _recurrence(shape: Shape, q, k, v, log_decay, beta, state, idx, cu, scale, use_qk_l2norm, layout, lowest,
+                accepted) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [L, HV, V] in v's dtype and which tokens ran [L]; the pool written at each valid checkpoint
+    slot (idx [N, C]) or, with idx [N], once at idx[n] after the request's last token."""
+    L, H, K, HV, V = shape.L, shape.H, shape.K, shape.HV, shape.V
+    P = state.shape[0]
+    dev = v.device
+    flat = lambda x, *inner: x.reshape(L, *inner)  # noqa: E731
+    qf, kf, vf = flat(q, H, K), flat(k, H, K), flat(v, HV, V)
+    gd = flat(log_decay, *log_decay.shape[len(shape.lead):]).float()
+    bf = flat(beta, HV).float()
+    o_all = torch.zeros(L, HV, V, dtype=v.dtype, device=dev)
+    computed = torch.zeros(L, dtype=torch.bool, device=dev)
+    start = _starting_slots(idx, accepted, shape.columns)
+    valid = (start >= lowest) & (start < P)
+    if not bool(valid.any()):
+        return o_all, computed
+    rows = valid.nonzero().squeeze(1)  # requests that run, on idx's device
+    rows_cpu = rows.cpu()
+    bos = cu[:-1][rows_cpu].to(dev)
+    lens = (cu[1:] - cu[:-1])[rows_cpu].to(dev)
+    group = HV // H
+    h = state[start[rows]].float()
+    if layout == "vk":
+        h = h.transpose(-1, -2)  # math below is on [K, V]
+    for t in range(int(lens.max()) if len(lens) else 0):
+        live = lens > t  # requests that still have a token t
+        tok = bos[live] + t
+        hs = h[live]
+        qt = qf[tok].float().repeat_interleave(group, dim=1)  # [M, HV, K]
+        kt = kf[tok].float().repeat_interleave(group, dim=1)
+        if use_qk_l2norm:
+            qt, kt = _l2norm(qt), _l2norm(kt)
+        qt = qt * scale
+        g = gd[tok]
+        hs = hs * (torch.exp(g)[..., None] if g.dim() == 3 else torch.exp(g)[..., None, None])  # rows of h
+        u = bf[tok][..., None] * (vf[tok].float() - torch.einsum("mhkv,mhk->mhv", hs, kt))
+        hs = hs + kt[..., :, None] * u[..., None, :]
+        o_all[tok] = torch.einsum("mhkv,mhk->mhv", hs, qt).to(v.dtype)
+        computed[tok] = True
+        h[live] = hs
+        if shape.columns:
+            dst = idx[rows[live], t].long()
+            ok = (dst >= lowest) & (dst < P)
+            _store(state, dst[ok], hs[ok], layout)
+    if not shape.columns:
+        ran = lens > 0
+        _store(state, start[rows][ran], h[ran], layout)
+    return o_all, computed
+
+
+def _store(state: torch.Tensor, slots: torch.Tensor, h: torch.Tensor, layout: str) -> None:
+    if layout == "vk":
+        h = h.transpose(-1, -2)
+    state[slots] = h.to(state.dtype)
+
+
 def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, **options):
-    N, _, K = q.shape
-    HV = v.shape[1] if v.dim() == 3 else 0
-    log_decay, beta = resolve_gates(kind, N, HV, K, g, beta, a, b, A_log, dt_bias)
+    shape = check_call(q, k, v, state, idx, options["layout"], options["out"], options["cu_seqlens"],
+                       options["num_accepted_tokens"], options["output_gate"], options["norm_weight"],
+                       options["norm_eps"], options["gate_activation"])
+    log_decay, beta = resolve_gates(kind, shape.lead, shape.HV, shape.K, g, beta, a, b, A_log, dt_bias)
     return delta_rule_decode_reference(q, k, v, log_decay, beta, state, idx, **options)
 
 
 def gdn_decode_reference(q, k, v, g, beta, state, idx, *, a=None, b=None, A_log=None, dt_bias=None, scale=None,
-                         use_qk_l2norm=False, layout="kv", invalid_slot="negative", out=None):
-    """Gated DeltaNet: g is the [N, HV] log-decay, or raw a [N, HV] with A_log, dt_bias [HV] (see
-    gdn_gate); beta [N, HV], or raw b with the sigmoid applied here."""
+                         use_qk_l2norm=False, layout="kv", invalid_slot="negative", out=None, cu_seqlens=None,
+                         num_accepted_tokens=None, output_gate=None, norm_weight=None, norm_eps=None,
+                         gate_activation=None):
+    """Gated DeltaNet: g is the lead + [HV] log-decay, or raw a with A_log, dt_bias [HV] (see gdn_gate);
+    beta lead + [HV], or raw b with the sigmoid applied here. Options: cudelta.gdn_decode."""
     return _decode("gdn", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, layout=layout, invalid_slot=invalid_slot, out=out)
+                   use_qk_l2norm=use_qk_l2norm, layout=layout, invalid_slot=invalid_slot, out=out,
+                   cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
+                   norm_weight=norm_weight, norm_eps=norm_eps, gate_activation=gate_activation)
 
 
 def kda_decode_reference(q, k, v, g, beta, state, idx, *, a=None, b=None, A_log=None, dt_bias=None, scale=None,
-                         use_qk_l2norm=False, layout="kv", invalid_slot="negative", out=None):
-    """Kimi Delta Attention: g is the per-channel [N, HV, K] log-decay, or raw a [N, HV, K] with
-    A_log [HV] and dt_bias [HV, K] (see kda_gate)."""
+                         use_qk_l2norm=False, layout="kv", invalid_slot="negative", out=None, cu_seqlens=None,
+                         num_accepted_tokens=None, output_gate=None, norm_weight=None, norm_eps=None,
+                         gate_activation=None):
+    """Kimi Delta Attention: g is the per-channel lead + [HV, K] log-decay, or raw a with A_log [HV]
+    and dt_bias [HV, K] (see kda_gate)."""
     return _decode("kda", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, layout=layout, invalid_slot=invalid_slot, out=out)
+                   use_qk_l2norm=use_qk_l2norm, layout=layout, invalid_slot=invalid_slot, out=out,
+                   cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
+                   norm_weight=norm_weight, norm_eps=norm_eps, gate_activation=gate_activation)

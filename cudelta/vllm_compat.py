@@ -1,0 +1,231 @@
+"""A drop-in for vLLM 0.33's GDN decode calls, with vLLM's signatures and argument rules:
+
+    # before
+    from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
+    from vllm._custom_ops import fused_gdn_decode_post_conv_mtp
+    # after
+    from cudelta.vllm_compat import fused_recurrent_gated_delta_rule_packed_decode, fused_gdn_decode_post_conv_mtp
+
+Both read q, k and v in place from the packed `mixed_qkv` (views, no copies) and update vLLM's state
+pool in place ([slots, HV, V, K], slot 0 the null block; a padded page layout is a view whose slot
+stride exceeds the block). Arguments are checked with the rules vLLM applies (its Python checks for
+the packed decode; the CUDA op's checks for the MTP step, K = V = 128 and bf16 activations
+included), then with cudelta's own (head dims 64/128/256, fp32 or bf16 state), each error naming
+the value. On CPU tensors both run the PyTorch reference. On CUDA tensors the packed decode runs
+the kernel when the pool is contiguous; the MTP step (several tokens, checkpoints, the epilogue)
+and a padded pool raise cudelta.ops.NotSupportedOnCUDAError in this release.
+
+Where vLLM's result is undefined, cudelta's is not: a slot >= the pool's size counts as invalid, a
+request with more tokens than state_indices has columns is refused, and output rows after
+cu_seqlens[N] (an engine's padding tokens, which vLLM leaves as they were) are zeroed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .ops import gdn_decode
+
+MTP_HEAD_DIM = 128  # the CUDA op's K = V
+MTP_MAX_TOKENS = 8  # state_indices [N, S] with 1 <= S <= 8
+MTP_HEAD_GROUPS = (1, 2, 3, 4, 8)  # HV / H
+MTP_ACTIVATIONS = ("silu", "sigmoid")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"cudelta.vllm_compat: {message}")
+
+
+def _same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    _require(all(d == first for d in devices.values()),
+             f"all inputs must be on one device; got {', '.join(f'{n} on {d}' for n, d in devices.items())}")
+
+
+def _split_qkv(mixed_qkv: torch.Tensor, H: int, HV: int, K: int, V: int):
+    """q, k [tokens, H, K] and v [tokens, HV, V]: views of mixed_qkv's rows."""
+    q = mixed_qkv[:, : H * K].unflatten(1, (H, K))
+    k = mixed_qkv[:, H * K: 2 * H * K].unflatten(1, (H, K))
+    v = mixed_qkv[:, 2 * H * K:].unflatten(1, (HV, V))
+    return q, k, v
+
+
+def fused_recurrent_gated_delta_rule_packed_decode(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor,
+    out: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request: mixed_qkv [B, 2*H*K + HV*V], raw gates a, b [B, HV], A_log and dt_bias
+    [HV], the pool initial_state [slots, HV, V, K] updated in place at ssm_state_indices [B] (<= 0:
+    no state, zero output), out [B, 1, HV, V] written; returns (out, initial_state)."""
+    _require(mixed_qkv.ndim == 2,
+             f"mixed_qkv must be a 2D tensor [B, 2*H*K + HV*V]; got shape {tuple(mixed_qkv.shape)}")
+    _require(mixed_qkv.stride(-1) == 1,
+             f"mixed_qkv must be contiguous in the last dim; got strides {mixed_qkv.stride()}")
+    _require(a.ndim == 2 and b.ndim == 2,
+             f"a and b must be 2D tensors [B, HV]; got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    _require(a.stride(-1) == 1 and b.stride(-1) == 1,
+             f"a and b must be contiguous in the last dim; got strides a {a.stride()}, b {b.stride()}")
+    _require(A_log.ndim == 1 and dt_bias.ndim == 1,
+             f"A_log and dt_bias must be 1D tensors [HV]; got A_log {tuple(A_log.shape)}, dt_bias "
+             f"{tuple(dt_bias.shape)}")
+    _require(A_log.stride(0) == 1 and dt_bias.stride(0) == 1,
+             f"A_log and dt_bias must be contiguous; got strides A_log {A_log.stride()}, dt_bias {dt_bias.stride()}")
+    _require(ssm_state_indices.ndim == 1,
+             f"ssm_state_indices must be 1D [B] for packed decode; got shape {tuple(ssm_state_indices.shape)}")
+    _require(out.is_contiguous(), f"out must be contiguous; got strides {out.stride()} for shape {tuple(out.shape)}")
+    _same_device(mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, out=out,
+                 ssm_state_indices=ssm_state_indices)
+    B = mixed_qkv.shape[0]
+    _require(a.shape[0] == B and b.shape[0] == B,
+             f"a and b must have mixed_qkv's batch size B={B}; got a.shape[0]={a.shape[0]}, b.shape[0]={b.shape[0]}")
+    _require(ssm_state_indices.shape[0] == B,
+             f"ssm_state_indices must have shape ({B},); got {tuple(ssm_state_indices.shape)}")
+    _require(initial_state.ndim == 4,
+             f"initial_state must be a 4D tensor [slots, HV, V, K]; got shape {tuple(initial_state.shape)}")
+    _require(initial_state.stride(-1) == 1,
+             f"initial_state must be contiguous in the last dim; got strides {initial_state.stride()}")
+    HV, V, K = initial_state.shape[-3:]
+    _require(a.shape[1] == HV and b.shape[1] == HV,
+             f"a and b must be [B, HV] with HV={HV} (initial_state); got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    _require(A_log.numel() == HV and dt_bias.numel() == HV,
+             f"A_log and dt_bias must have HV={HV} elements; got {A_log.numel()} and {dt_bias.numel()}")
+    _require(tuple(out.shape) == (B, 1, HV, V), f"out must have shape {(B, 1, HV, V)}; got {tuple(out.shape)}")
+    H = _heads(mixed_qkv.shape[1], HV, V, K)
+    _require(HV % H == 0, f"HV={HV} (initial_state) must be a multiple of H={H} (inferred from mixed_qkv)")
+    q, k, v = _split_qkv(mixed_qkv, H, HV, K, V)
+    gdn_decode(q, k, v, None, None, initial_state, ssm_state_indices, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+               scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, layout="vk", invalid_slot="nonpositive",
+               out=out.view(B, HV, V))
+    return out, initial_state
+
+
+def _heads(width: int, HV: int, V: int, K: int) -> int:
+    """H from mixed_qkv's width 2*H*K + HV*V, as vLLM infers it."""
+    qk = width - HV * V
+    _require(qk > 0 and qk % 2 == 0,
+             f"mixed_qkv's last dim {width} is not 2*H*K + HV*V for HV={HV}, V={V}, K={K} and any H >= 1")
+    _require((qk // 2) % K == 0, f"the packed q size {qk // 2} (from mixed_qkv's last dim {width}) must be a "
+             f"multiple of K={K}")
+    return qk // 2 // K
+
+
+def _mtp_checks(mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
+                output_gate, norm_weight, out, output_gate_activation) -> int:
+    """The CUDA op's rules, in its order; returns H."""
+    D = MTP_HEAD_DIM
+    bf16 = torch.bfloat16
+    _require(mixed_qkv.dtype == bf16, f"mixed_qkv must be a bfloat16 tensor; got {mixed_qkv.dtype}")
+    for name, x in (("a", a), ("b", b)):
+        _require(x.dtype == bf16, f"{name} must be a bfloat16 tensor; got {x.dtype}")
+    _require(A_log.dtype == torch.float32, f"A_log must be a float32 tensor; got {A_log.dtype}")
+    _require(dt_bias.dtype in (torch.float32, bf16, torch.float16),
+             f"dt_bias must be a float32, bfloat16 or float16 tensor; got {dt_bias.dtype}")
+    for name, x in (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                    ("num_accepted_tokens", num_accepted_tokens)):
+        _require(x.dtype == torch.int32, f"{name} must be an int32 tensor; got {x.dtype}")
+    _require(state.dtype in (torch.float32, bf16), f"state must be a float32 or bfloat16 tensor; got {state.dtype}")
+    _require(norm_weight.dtype in (torch.float32, bf16),
+             f"norm_weight must be a float32 or bfloat16 tensor; got {norm_weight.dtype}")
+    _require(output_gate.dtype == bf16, f"output_gate must be a bfloat16 tensor; got {output_gate.dtype}")
+    _require(out.dtype == bf16, f"out must be a bfloat16 tensor; got {out.dtype}")
+    _require(output_gate_activation in MTP_ACTIVATIONS,
+             f"output_gate_activation must be 'silu' or 'sigmoid'; got {output_gate_activation!r}")
+    _same_device(mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state_indices=state_indices,
+                 cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, state=state,
+                 output_gate=output_gate, norm_weight=norm_weight, out=out)
+    _require(mixed_qkv.dim() == 2, f"mixed_qkv must have shape [L, 2 * H * {D} + HV * {D}]; got "
+             f"{tuple(mixed_qkv.shape)}")
+    L = mixed_qkv.shape[0]
+    _require(L >= 1, "the MTP step requires at least one token; mixed_qkv has 0 rows")
+    _require(state.dim() == 4 and tuple(state.shape[2:]) == (D, D),
+             f"state must have shape [slots, HV, {D}, {D}]; got {tuple(state.shape)}")
+    HV = state.shape[1]
+    qk = mixed_qkv.shape[1] - HV * D
+    _require(qk > 0 and qk % (2 * D) == 0, f"mixed_qkv width {mixed_qkv.shape[1]} is inconsistent with state: it "
+             f"must be 2 * H * {D} + HV * {D} with HV={HV} and H >= 1")
+    H = qk // (2 * D)
+    _require(HV % H == 0 and HV // H in MTP_HEAD_GROUPS,
+             f"HV/H must be one of {MTP_HEAD_GROUPS}; got HV={HV}, H={H}")
+    _require(state_indices.dim() == 2 and 1 <= state_indices.shape[1] <= MTP_MAX_TOKENS,
+             f"state_indices must have shape [N, S] with 1 <= S <= {MTP_MAX_TOKENS}; got {tuple(state_indices.shape)}")
+    N = state_indices.shape[0]
+    _require(cu_seqlens.numel() == N + 1, f"cu_seqlens must have N + 1 = {N + 1} elements; got {cu_seqlens.numel()}")
+    _require(num_accepted_tokens.numel() == N,
+             f"num_accepted_tokens must have N = {N} elements; got {num_accepted_tokens.numel()}")
+    _require(A_log.is_contiguous() and A_log.numel() == HV,
+             f"A_log must be contiguous with HV={HV} elements; got {A_log.numel()} elements, strides {A_log.stride()}")
+    _require(dt_bias.is_contiguous() and dt_bias.numel() == HV,
+             f"dt_bias must be contiguous with HV={HV} elements; got {dt_bias.numel()} elements, strides "
+             f"{dt_bias.stride()}")
+    for name, x in (("state_indices", state_indices), ("num_accepted_tokens", num_accepted_tokens),
+                    ("cu_seqlens", cu_seqlens)):
+        _require(x.is_contiguous(), f"{name} must be contiguous; got strides {x.stride()}")
+    for name, x in (("output_gate", output_gate), ("out", out)):
+        _require(tuple(x.shape) == (L, HV, D), f"{name} must have shape [L, HV, {D}] = [{L}, {HV}, {D}]; got "
+                 f"{tuple(x.shape)}")
+    _require(mixed_qkv.stride(1) == 1, f"mixed_qkv channels must be contiguous; got strides {mixed_qkv.stride()}")
+    for name, x in (("a", a), ("b", b)):
+        _require(x.dim() == 2 and tuple(x.shape) == (L, HV),
+                 f"{name} must have shape [L, HV] = [{L}, {HV}]; got {tuple(x.shape)}")
+    _require(a.stride(1) == 1 and b.stride(1) == 1,
+             f"a and b heads must be contiguous; got strides a {a.stride()}, b {b.stride()}")
+    _require(state.stride()[1:] == (D * D, D, 1),
+             f"state must have contiguous [HV, {D}, {D}] slot contents; got strides {state.stride()}")
+    size = state.element_size()
+    _require((state.stride(0) * size) % 16 == 0 and state.data_ptr() % 16 == 0,
+             f"state slots must preserve 16-byte alignment; got a slot stride of {state.stride(0) * size} bytes "
+             f"at address offset {state.data_ptr() % 16}")
+    _require(output_gate.stride(2) == 1 and output_gate.stride(1) == D,
+             f"output_gate head rows must be contiguous; got strides {output_gate.stride()}")
+    _require(out.is_contiguous(), f"out must be contiguous; got strides {out.stride()}")
+    _require(norm_weight.is_contiguous() and norm_weight.numel() == D,
+             f"norm_weight must be contiguous with {D} elements; got {norm_weight.numel()} elements")
+    return H
+
+
+def fused_gdn_decode_post_conv_mtp(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    state: torch.Tensor,
+    output_gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    scale: float = 128**-0.5,
+    norm_eps: float = 1e-5,
+    output_gate_activation: str = "silu",
+) -> torch.Tensor:
+    """vLLM's speculative (MTP) GDN decode after the conv: mixed_qkv [L, 2*H*128 + HV*128] bf16 (L
+    tokens; request n's are cu_seqlens[n]:cu_seqlens[n+1]), raw gates a, b [L, HV] bf16, A_log [HV]
+    fp32, dt_bias [HV]; request n starts from the state at state_indices[n, num_accepted_tokens[n] - 1]
+    and stores the state after token t at state_indices[n, t] (<= 0: none); q and k L2-normalised;
+    the output, rounded to bf16, goes through the gated RMSNorm with output_gate [L, HV, 128] and
+    norm_weight [128] into out [L, HV, 128] (allocated when None), which is returned."""
+    if out is None:
+        out = torch.empty_like(output_gate)
+    H = _mtp_checks(mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
+                    output_gate, norm_weight, out, output_gate_activation)
+    HV, D = state.shape[1], MTP_HEAD_DIM
+    q, k, v = _split_qkv(mixed_qkv, H, HV, D, D)
+    gdn_decode(q, k, v, None, None, state, state_indices, a=a, b=b, A_log=A_log.view(HV), dt_bias=dt_bias.view(HV),
+               scale=scale, use_qk_l2norm=True, layout="vk", invalid_slot="nonpositive", out=out,
+               cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
+               norm_weight=norm_weight.view(D), norm_eps=norm_eps, gate_activation=output_gate_activation)
+    return out
