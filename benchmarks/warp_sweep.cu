@@ -281,6 +281,7 @@ int main(int argc, char** argv) {
       p.state = pool;
       p.state_dtype = bf ? DType::kBFloat16 : DType::kFloat32;
       p.state_vk = vk;
+      p.state_stride_p = int64_t(HV) * K * V;  // a contiguous pool
       p.idx = d_idx;
       p.min_slot = 1;
       p.out = out;

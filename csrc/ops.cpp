@@ -182,6 +182,34 @@ void check_param(const char* op, const Tensor& t, const char* name, int64_t HV, 
   float_dtype(op, name, t.scalar_type());
 }
 
+// The pool rule (cudelta/_contract.py check_pool, check_kernel_pool): each slot's [HV, K, V] block
+// contiguous, slots any number of elements >= one block apart (vLLM's padded pages), and, for the
+// kernels' 16-byte state accesses, slot 0 on 16 bytes and the slot stride a whole number of 16-byte
+// units, so that every slot starts aligned. Returns the slot stride in elements.
+int64_t check_pool(const char* op, const Tensor& state, bool vk) {
+  const int64_t block = state.size(1) * state.size(2) * state.size(3);
+  const int64_t inner[3] = {state.size(2) * state.size(3), state.size(3), 1};
+  for (int d = 1; d < 4; ++d) {
+    CUDELTA_CHECK(state.size(d) == 1 || state.stride(d) == inner[d - 1], op, ": state's slot block ",
+                  vk ? "[HV, V, K]" : "[HV, K, V]", " must be contiguous (strides (", inner[0], ", ", inner[1],
+                  ", 1)); got strides (", state.stride(1), ", ", state.stride(2), ", ", state.stride(3),
+                  ") for shape ", shape_of(state));
+  }
+  // One slot (or none): its stride is never used to address anything.
+  const int64_t stride = state.size(0) > 1 ? state.stride(0) : block;
+  CUDELTA_CHECK(stride >= block, op, ": state's slot stride must be at least one slot's block of ", block,
+                " elements; got ", stride);
+  const int64_t es = state.scalar_type() == ScalarType::Float ? 4 : 2;
+  CUDELTA_CHECK((stride * es) % 16 == 0, op, ": state's slot stride of ", stride, " elements (", stride * es,
+                " bytes) is not a multiple of 16 bytes; accepted on CUDA: slots a multiple of 16 bytes apart "
+                "(the kernels' 16-byte state accesses; vLLM's pages are)");
+  CUDELTA_CHECK(reinterpret_cast<uintptr_t>(state.data_ptr()) % 16 == 0, op,
+                ": state must start on 16 bytes; got address offset ",
+                static_cast<int64_t>(reinterpret_cast<uintptr_t>(state.data_ptr()) % 16),
+                " (a view starting mid-row is not)");
+  return stride;
+}
+
 void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
             const std::optional<Tensor>& beta, const std::optional<Tensor>& a, const std::optional<Tensor>& b,
             const std::optional<Tensor>& A_log, const std::optional<Tensor>& dt_bias, const Tensor& state,
@@ -241,9 +269,7 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   CUDELTA_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == d2 && state.size(3) == d3, op,
                   ": state must be [P, HV, ", vk ? "V, K" : "K, V", "] = [P, ", HV, ", ", d2, ", ", d3,
                   "] for layout ", vk ? "vk" : "kv", ", got ", shape_of(state));
-  CUDELTA_CHECK(state.is_contiguous(), op, ": state must be contiguous");
-  CUDELTA_CHECK(reinterpret_cast<uintptr_t>(state.data_ptr()) % 16 == 0,
-                  op, ": state must be 16-byte aligned (a view starting mid-row is not)");
+  const int64_t slot_stride = check_pool(op, state, vk);
   CUDELTA_CHECK(idx.scalar_type() == ScalarType::Int || idx.scalar_type() == ScalarType::Long,
                   op, ": idx must be int32 or int64, got ", dtype_name(idx.scalar_type()));
   CUDELTA_CHECK(idx.dim() == 1 && idx.size(0) == N && idx.is_contiguous(),
@@ -292,6 +318,7 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   p.state = state.data_ptr();
   p.state_dtype = state.scalar_type() == ScalarType::Float ? DType::kFloat32 : DType::kBFloat16;
   p.state_vk = vk;
+  p.state_stride_p = slot_stride;
   p.idx = idx.data_ptr();
   p.idx_is_int64 = idx.scalar_type() == ScalarType::Long;
   p.min_slot = min_slot;

@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) decode_kv_kernel(const GdnDe
     }
     return;
   }
-  ST* S = static_cast<ST*>(p.state) + (site.slot * p.HV + site.hv) * int64_t(K) * p.V + site.tile * BV;
+  ST* S = static_cast<ST*>(p.state) + site.slot * p.state_stride_p + site.hv * int64_t(K) * p.V + site.tile * BV;
 
   // The state tile goes first: its loads are in flight while the gates, q and k are read.
   Raw s[R];

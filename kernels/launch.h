@@ -44,11 +44,14 @@ struct GdnDecodeParams {
   DType beta_dtype;
   int64_t beta_stride_n, beta_stride_h;
   bool beta_raw;
-  // State pool [P, HV, K, V] ("kv") or [P, HV, V, K] (state_vk), contiguous, float32 or bfloat16,
-  // updated in place.
+  // State pool [P, HV, K, V] ("kv") or [P, HV, V, K] (state_vk), float32 or bfloat16, updated in
+  // place: each slot's [HV, K, V] block contiguous, slots state_stride_p elements apart (>= the block;
+  // more in vLLM's padded pages, which hold the conv state and padding beside it). The byte stride is
+  // a whole number of 16-byte units, so every slot starts as aligned as slot 0 (the vector accesses).
   void* state;
   DType state_dtype;
   bool state_vk;
+  int64_t state_stride_p;
   const void* idx;  // [N] slot of each request; < min_slot or >= P: skipped, output zero
   bool idx_is_int64;
   int64_t min_slot;  // 0, or 1 where slot 0 is an engine's null block

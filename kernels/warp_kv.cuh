@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
     return;
   }
   // Rows r * NR + j, columns col0 .. col0 + E - 1, in 16-byte chunks.
-  Raw* S = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + ((slot * p.HV + hv) * K + r * NR) * p.V + col0);
+  Raw* S = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + slot * p.state_stride_p + (hv * K + r * NR) * p.V + col0);
   const int64_t row_chunks = p.V / E;
 
   Raw s[NR];

@@ -74,7 +74,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
     for (int row = lane; row < BW * TPW; row += 32) store_f(p.out, p.dtype, o_at + row, 0.f);
     return;
   }
-  Raw* S = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + ((slot * p.HV + hv) * p.V + row0) * int64_t(K));
+  Raw* S = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + slot * p.state_stride_p + (hv * p.V + row0) * int64_t(K));
 
   // The tiles first: all of their loads are in flight while the gates, q and k are read.
   Raw s[TPW][NP][CPL];
