@@ -98,6 +98,22 @@ def check_pool(state: torch.Tensor, layout: str) -> None:
                          f"of the element size, padding allowed); got {state.stride(0)}")
 
 
+def check_kernel_pool(state: torch.Tensor) -> None:
+    """The kernels' one rule beyond the pool rule (their state accesses are 16-byte vectors): the
+    pool starts on 16 bytes and its slots lie a whole number of 16-byte units apart, so every slot
+    starts aligned. vLLM's pages are (its own CUDA op requires the same). csrc/ops.cpp checks it
+    too; this names it for the Python API, in the same words."""
+    size = state.element_size()
+    stride = state.stride(0) if state.shape[0] > 1 else math.prod(state.shape[1:])
+    if (stride * size) % 16:
+        raise ValueError(f"state's slot stride of {stride} elements ({stride * size} bytes) is not a multiple of 16 "
+                         "bytes; accepted on CUDA: slots a multiple of 16 bytes apart (the kernels' 16-byte state "
+                         "accesses; vLLM's pages are)")
+    if state.data_ptr() % 16:
+        raise ValueError(f"state must start on 16 bytes; got address offset {state.data_ptr() % 16} (a view "
+                         "starting mid-row is not)")
+
+
 def _check_index(name: str, x: torch.Tensor, shape: tuple, what: str) -> None:
     if x.dtype not in INDEX_DTYPES or tuple(x.shape) != shape:
         raise ValueError(f"{name} must be an int32/int64 tensor of shape {_dims(shape)} ({what}); "

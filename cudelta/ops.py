@@ -2,8 +2,9 @@
 
 Both paths take the same options and check arguments alike (cudelta._contract.check_call and
 check_gates), so a call that is wrong fails the same way on a CPU and on a GPU. What the kernels do
-not compute yet (several tokens per request, the epilogue, a padded pool) is refused on CUDA
-tensors by name, never run in the slow reference on the GPU.
+not compute yet (several tokens per request, the epilogue) is refused on CUDA tensors by name,
+never run in the slow reference on the GPU. vLLM's padded pool runs in the kernels, whose 16-byte
+state accesses add one rule on CUDA (check_kernel_pool).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import _native
-from ._contract import LAYOUTS, check_call, check_gates, min_valid_slot
+from ._contract import LAYOUTS, check_call, check_gates, check_kernel_pool, min_valid_slot
 from .reference import gdn_decode_reference, kda_decode_reference
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -24,9 +25,8 @@ class NotSupportedOnCUDAError(NotImplementedError):
     CUDA tensors it is refused, never run slowly behind an engine's back."""
 
 
-def _not_on_cuda(q, idx, state, extra, pool_checked) -> list[str]:
-    """The options of a CUDA call that the kernels do not take yet, each named (empty: none); the
-    pool's layout only where pool_checked (the op itself refuses it on the fast path)."""
+def _not_on_cuda(q, idx, extra) -> list[str]:
+    """The options of a CUDA call that the kernels do not take yet, each named (empty: none)."""
     names = []
     if q.dim() == 4:
         names.append(f"q of shape {tuple(q.shape)} (T tokens per request)")
@@ -39,9 +39,6 @@ def _not_on_cuda(q, idx, state, extra, pool_checked) -> list[str]:
     epilogue = [n for n in ("output_gate", "norm_weight", "norm_eps", "gate_activation") if extra[n] is not None]
     if epilogue:
         names.append(f"{', '.join(epilogue)} (the gated RMSNorm epilogue)")
-    if pool_checked and not state.is_contiguous():
-        names.append(f"a state pool with slot stride {state.stride(0)} (a padded pool: one slot's block is "
-                     f"{state[0].numel()} elements)")
     return names
 
 
@@ -71,7 +68,7 @@ def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use
     # malformed argument as on the CPU.
     if q.dim() != 3 or idx.dim() != 1 or any(x is not None for x in extra.values()):
         check()
-        unsupported = _not_on_cuda(q, idx, state, extra, pool_checked=True)
+        unsupported = _not_on_cuda(q, idx, extra)
         if unsupported:
             raise _refuse(unsupported)
     st = _native.status()
@@ -93,21 +90,17 @@ def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use
     op = torch.ops.cudelta.gdn_decode if kind == "gdn" else torch.ops.cudelta.kda_decode
     args = (q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, LAYOUTS.index(layout),
             lowest, st.variant)
-    if compiling:
-        if not state.is_contiguous():
-            check()
-            raise _refuse(_not_on_cuda(q, idx, state, extra, pool_checked=True))
+    if compiling:  # the op names a pool it cannot address aligned, in check_kernel_pool's words
         op(*args)
         return out
     # Eager: the op checks every argument before it launches anything (nothing is written when it
     # refuses), so the Python checks, 4 us a call, run only to name a refused argument the way the
-    # reference path does, or the padded pool the kernels do not take yet.
+    # reference path does, or a pool whose slots the kernels cannot address aligned.
     try:
         op(*args)
     except RuntimeError:
         check()
-        if not state.is_contiguous():
-            raise _refuse(_not_on_cuda(q, idx, state, extra, pool_checked=True)) from None
+        check_kernel_pool(state)
         raise
     return out
 
@@ -166,8 +159,9 @@ def gdn_decode(
     rounded again; act = gate_activation ("silu", the default, or "sigmoid"); norm_eps 1e-5 unless
     given.
 
-    Several tokens, the epilogue and a padded pool run on CPU tensors (the reference); on CUDA
-    tensors this release raises NotSupportedOnCUDAError naming them.
+    Several tokens and the epilogue run on CPU tensors (the reference); on CUDA tensors this release
+    raises NotSupportedOnCUDAError naming them. A padded pool runs on both; on CUDA tensors its slots
+    must lie a multiple of 16 bytes apart and start on 16 bytes (vLLM's pages do).
     """
     return _decode("gdn", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout,
                    invalid_slot, out, dict(cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,

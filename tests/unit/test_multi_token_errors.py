@@ -2,11 +2,14 @@
 before anything is written; on CUDA tensors the options the kernels do not take yet are refused by
 name instead of running the slow reference on the GPU."""
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import cudelta  # noqa: E402
+from cudelta._contract import check_kernel_pool, check_pool  # noqa: E402
 from cudelta.ops import NotSupportedOnCUDAError  # noqa: E402
 from cudelta.reference import gdn_decode_reference  # noqa: E402
 from decode_loop import random_pool, token_inputs, vllm_pool  # noqa: E402
@@ -190,10 +193,50 @@ def test_on_cuda_tensors_a_malformed_option_is_named_as_on_the_cpu():
                            torch.tensor([1, 2]), output_gate=t["z"], norm_weight=t["w"], gate_activation="relu")
 
 
-def test_on_cuda_tensors_a_padded_pool_is_named_with_the_other_options():
+def test_on_cuda_tensors_a_padded_pool_is_not_among_what_the_kernels_lack():
+    # The kernels take vLLM's padded pool (tests/gpu/test_strided_pool_gpu.py): a refusal names only
+    # the options they lack.
     t = token_inputs([1, 1], seed=26)
     _, padded = vllm_pool(P, 4, 64, 64, "kv")
-    with pytest.raises(NotSupportedOnCUDAError, match=r"cu_seqlens \(tokens per request\); a state pool with slot "
-                       r"stride 17540 \(a padded pool: one slot's block is 16384 elements\): not yet supported"):
+    with pytest.raises(NotSupportedOnCUDAError, match=r": cu_seqlens \(tokens per request\): not yet supported") as e:
         cudelta.gdn_decode(on_cuda(t["q"]), t["k"], t["v"], t["g"], t["beta"], padded, torch.tensor([1, 2]),
                            cu_seqlens=torch.tensor([0, 1, 2]))
+    assert "stride" not in str(e.value) and "pool" not in str(e.value)
+
+
+def pool_with_stride(stride_bytes, dtype, P=3, inner=(4, 64, 64), offset_bytes=0):
+    """A pool whose slots lie stride_bytes apart, starting offset_bytes into a 16-byte aligned buffer."""
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.zeros(offset_bytes + P * stride_bytes + 64, dtype=torch.int8)
+    base = raw[offset_bytes:offset_bytes + (P - 1) * stride_bytes + math.prod(inner) * size].view(dtype)
+    return base.as_strided((P, *inner), (stride_bytes // size, inner[1] * inner[2], inner[2], 1))
+
+
+@pytest.mark.parametrize("dtype,stride_bytes", [(torch.float32, 4 * 16384 + 4), (torch.float32, 4 * 16384 + 8),
+                                                (torch.bfloat16, 2 * 16384 + 2), (torch.bfloat16, 2 * 16384 + 528 + 6)])
+def test_the_kernels_refuse_slots_not_a_multiple_of_16_bytes_apart_naming_the_stride(dtype, stride_bytes):
+    state = pool_with_stride(stride_bytes, dtype)
+    check_pool(state, "kv")  # the pool rule holds: the reference takes it
+    elements = stride_bytes // state.element_size()
+    with pytest.raises(ValueError, match=rf"^state's slot stride of {elements} elements \({stride_bytes} bytes\) is "
+                       r"not a multiple of 16 bytes; accepted on CUDA: slots a multiple of 16 bytes apart \(the "
+                       r"kernels' 16-byte state accesses; vLLM's pages are\)$"):
+        check_kernel_pool(state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_take_vllm_s_pages_and_any_16_byte_slot_stride(dtype):
+    _, pages = vllm_pool(P, 4, 64, 64, "vk", dtype)  # 4096 bytes of conv state, 528 of padding per page
+    assert not pages.is_contiguous()
+    check_kernel_pool(pages)
+    check_kernel_pool(pool_with_stride(16384 * pages.element_size() + 16, dtype))
+    check_kernel_pool(random_pool(P, 4, 64, 64))
+    # one slot: its stride addresses nothing, whatever it is
+    check_kernel_pool(pool_with_stride(16384 * pages.element_size() + 2, dtype, P=1))
+
+
+def test_the_kernels_refuse_a_pool_starting_off_16_bytes_naming_the_offset():
+    state = pool_with_stride(4 * 16384 + 16, torch.float32, offset_bytes=8)
+    with pytest.raises(ValueError, match=r"^state must start on 16 bytes; got address offset 8 \(a view starting "
+                       r"mid-row is not\)$"):
+        check_kernel_pool(state)
