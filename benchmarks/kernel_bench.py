@@ -13,7 +13,9 @@ what an engine holds: q, k, v sliced out of one packed bf16 projection row, a an
 A_log and dt_bias float32, the state pool updated in place at slots that change every call (the
 pool far exceeds L2). Times are per call: a CUDA graph of 50 calls, best of 5 replays; eager is
 `triton.testing.do_bench` (median) of the public Python call. Bytes = state read + write + q, k,
-v, o; "% copy" compares with a device-to-device copy of the same state bytes.
+v, o; "% copy" compares with a device-to-device copy of the same state bytes. "auto padded" is auto
+on the same pool laid out as vLLM allocates it (each slot's state in a page with the conv state and
+padding: a slot stride larger than the state).
 
 vLLM's kernels take only their own setting (vk layout, raw gates), so they are timed on those rows
 (gdn: the Qwen3-Next packed decode; kda: the packed decode of vllm/models/kimi_k3); before timing,
@@ -151,6 +153,14 @@ def bench_row(op, shape, state_dtype, layout, gates, B, variants, peers, eager: 
     for name, vid in variants.items():
         fn = lambda i, vid=vid: native(q, k, v, *gargs, pool, idx[i], out, K ** -0.5, True, lay, 1, vid)
         row[name] = graph_us(fn, sets)
+    # The same steps on vLLM's page layout (MambaBase.bind_kv_cache: conv state, this state, padding
+    # in each slot's page; tests/gpu/test_strided_pool_gpu.py), auto only: what an engine's own pool costs.
+    pages = torch.empty(P, 4096 + state_bytes + 528, device=dev, dtype=torch.int8)
+    padded = pages[:, 4096:4096 + state_bytes].view(state_dtype).view(P, *shape4[1:])
+    padded.copy_(pool)
+    fn = lambda i: native(q, k, v, *gargs, padded, idx[i], out, K ** -0.5, True, lay, 1, -1)
+    row["auto padded"] = graph_us(fn, sets)
+    del pages, padded
     kw = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias) if gates == "raw" else {}
     gg, bb = (None, None) if gates == "raw" else (g, beta)
     public = cudelta.kda_decode if op == "kda" else cudelta.gdn_decode
@@ -245,7 +255,7 @@ def main() -> int:
         for B in args.batches:
             rows.append(bench_row(op, shape, sd, layout, gates, B, vs, peers, eager=B in (1, 256)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    cols = list(variants) + ["vllm", "fla", "auto eager", "vllm eager"]
+    cols = list(variants) + ["auto padded", "vllm", "fla", "auto eager", "vllm eager"]
     cols = [c for c in cols if any(c in r for r in rows)]
     device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     table = render(rows, device, cols)

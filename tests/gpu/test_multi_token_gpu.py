@@ -1,6 +1,7 @@
-"""On a real GPU (marker `gpu`): the multi-token options, the epilogue and vLLM's padded pool, which
-this release computes on CPU tensors only, are refused on CUDA tensors by name with the pool left
-as it was; vLLM's one-token packed decode runs the kernel through cudelta.vllm_compat."""
+"""On a real GPU (marker `gpu`): the multi-token options and the epilogue, which this release computes
+on CPU tensors only, are refused on CUDA tensors by name with the pool left as it was; vLLM's
+one-token packed decode runs the kernel through cudelta.vllm_compat, on a contiguous pool and on
+vLLM's padded pool as allocated."""
 
 import pytest
 
@@ -67,19 +68,23 @@ def vllm_pages(P, HV, D, state_dtype, conv_bytes=4096, pad_bytes=512):
     return pages, state
 
 
-def test_vllm_s_padded_pool_is_refused_by_name_on_cuda_and_left_as_it_was():
+def test_on_vllm_s_padded_pool_a_refusal_names_only_the_option_and_leaves_the_pages_as_they_were():
     t = step()
     pages, state = vllm_pages(9, 4, 128, torch.bfloat16)
     before = pages.clone()
-    with pytest.raises(NotSupportedOnCUDAError, match=r"a state pool with slot stride \d+ \(a padded pool"):
+    with pytest.raises(NotSupportedOnCUDAError, match=r"cudelta: output_gate, norm_weight \(the gated RMSNorm "
+                       r"epilogue\): not yet supported") as e:
         cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], state,
-                           torch.tensor([1, 2, 3, 4], device="cuda"), layout="vk")
+                           torch.tensor([1, 2, 3, 4], device="cuda"), layout="vk", output_gate=t["z"],
+                           norm_weight=t["w"])
     torch.cuda.synchronize()
+    assert "pool" not in str(e.value)
     assert torch.equal(pages, before)
 
 
+@pytest.mark.parametrize("pool", ["contiguous", "vllm-pages"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
-def test_vllm_packed_decode_runs_the_kernel_on_a_contiguous_pool(state_dtype):
+def test_vllm_packed_decode_runs_the_kernel(state_dtype, pool):
     B, H, HV, D, P = 37, 16, 32, 128, 45
     gen = torch.Generator().manual_seed(41)
     qkv = 2 * H * D + HV * D
@@ -89,9 +94,16 @@ def test_vllm_packed_decode_runs_the_kernel_on_a_contiguous_pool(state_dtype):
     b, a = ba[:, :HV], ba[:, HV:]
     A_log, dt_bias = (torch.randn(HV, generator=gen) * 0.5).cuda(), torch.randn(HV, generator=gen).cuda()
     state = (torch.randn(P, HV, D, D, generator=gen) * 0.1).to("cuda", state_dtype)
+    pages = None
+    if pool == "vllm-pages":  # the pool as vLLM allocates it: conv state and padding in each slot's page
+        pages, padded = vllm_pages(P, HV, D, state_dtype)
+        padded.copy_(state)
+        state = padded
+        assert state.stride(0) > state[0].numel()
     idx = torch.randperm(P - 1, generator=gen)[:B].add(1).to("cuda", torch.int32)
     idx[[3, 20]] = 0  # the null block
     before = state.clone()
+    pages_before = None if pages is None else pages.clone()
     out = torch.full((B, 1, HV, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     o, final = vllm_compat.fused_recurrent_gated_delta_rule_packed_decode(
         mixed, a, b, A_log, dt_bias, D ** -0.5, state, out, idx, use_qk_l2norm_in_kernel=True)
@@ -103,3 +115,8 @@ def test_vllm_packed_decode_runs_the_kernel_on_a_contiguous_pool(state_dtype):
              dt_bias=dt_bias, state=state, idx=idx)
     check_step("gdn", t, before, out[:, 0], gates="raw", layout="vk", rule="nonpositive", l2norm=True)
     assert torch.all(out[3] == 0) and torch.all(out[20] == 0)
+    if pages is not None:  # the conv state and the padding of every page, and the untouched slots: as they were
+        nbytes = state[0].numel() * state.element_size()
+        keep = torch.ones(pages.shape, dtype=torch.bool, device="cuda")
+        keep[[s for s in idx.tolist() if s > 0], 4096:4096 + nbytes] = False
+        assert torch.equal(pages[keep], pages_before[keep])
