@@ -160,7 +160,6 @@ def bench_row(op, shape, state_dtype, layout, gates, B, variants, peers, eager: 
     padded.copy_(pool)
     fn = lambda i: native(q, k, v, *gargs, padded, idx[i], out, K ** -0.5, True, lay, 1, -1)
     row["auto padded"] = graph_us(fn, sets)
-    del pages, padded
     kw = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias) if gates == "raw" else {}
     gg, bb = (None, None) if gates == "raw" else (g, beta)
     public = cudelta.kda_decode if op == "kda" else cudelta.gdn_decode
