@@ -19,11 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("csrc/ops.cpp", "kernels/dispatch.cu", "kernels/probe.cu",
            *sorted(f"kernels/units/{unit.name}" for unit in (ROOT / "kernels" / "units").glob("*.cu")))
 
-# What a release wheel carries: sm_80 covers 8.x, the arch-specific sm_90a Hopper, the family
-# cubins sm_100f / sm_120f Blackwell datacenter / consumer, and compute_120 PTX for what comes next.
-RELEASE_ARCHS = ("8.0", "9.0a", "10.0f", "12.0f+PTX")
-TORCH_FLOOR = "2.10"
-# TORCH_TARGET_VERSION encodes major << 56 | minor << 48: the oldest torch whose stable ABI we use.
+# The release archs and the torch floor are the release policy's (cudelta/_release_policy.py).
+# TORCH_TARGET_VERSION encodes major << 56 | minor << 48: the policy's TORCH_FLOOR, the oldest torch
+# whose stable ABI we use (tests/unit/test_release_policy.py holds the two together).
 TORCH_TARGET_VERSION = "0x020a000000000000"
 PY_LIMITED_API = "0x030a0000"
 PY_LIMITED_API_TAG = "cp310"

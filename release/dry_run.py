@@ -36,15 +36,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+from installer import shipped
 
-import assemble_release  # noqa: E402
-import build_cell  # noqa: E402
-import check_wheel  # noqa: E402
+from . import assemble_release, build_cell, check_wheel
 
-CELL_CUDA = "13.0"
+ROOT = Path(__file__).resolve().parent.parent
+
+CELL_CUDA = shipped.load("_release_policy").CELL_CUDA
 
 
 def default_python() -> str:

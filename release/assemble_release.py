@@ -27,15 +27,12 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
+from installer.manifest import loads_manifest
+from installer.verify import sha256_file
 
-import build_cell  # noqa: E402
-import make_release  # noqa: E402
-from installer.manifest import loads_manifest  # noqa: E402
-from installer.verify import sha256_file  # noqa: E402
+from . import build_cell, make_release
+
+ROOT = Path(__file__).resolve().parent.parent
 
 EMBEDDED = "installer/release_manifest.json"
 FORBIDDEN_IN_SDIST = ("/build/", "/dist/", ".so", ".whl", "/.git/", "__pycache__")

@@ -27,13 +27,12 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from installer import cuda, shipped
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from installer import cuda  # noqa: E402  (stdlib only: the label of a toolkit)
-
-CUDA_VERSIONS = ("12.9", "13.0")
+POLICY = shipped.load("_release_policy")
+CUDA_VERSIONS = POLICY.CUDA_VERSIONS  # the toolkits built: the release policy's
 ARCHS = ("x86_64", "aarch64")
 # torch the release builds against (any torch >= the floor 2.10 works: the stable ABI is the contract).
 TORCH_VERSION = "2.14.1"
@@ -46,30 +45,27 @@ IMAGES = {
 }
 
 
-def label(toolkit: str) -> str:
-    """'12.9' -> 'cu129'."""
-    return cuda.label_of(toolkit)
-
-
-def cell(cuda: str, arch: str) -> Dict[str, str]:
-    if cuda not in CUDA_VERSIONS or arch not in ARCHS:
-        raise ValueError(f"no cell CUDA {cuda} / {arch}; cells: CUDA {', '.join(CUDA_VERSIONS)} x {', '.join(ARCHS)}")
+def cell(toolkit: str, arch: str) -> Dict[str, str]:
+    if toolkit not in CUDA_VERSIONS or arch not in ARCHS:
+        raise ValueError(f"no cell CUDA {toolkit} / {arch}; cells: CUDA {', '.join(CUDA_VERSIONS)} x {', '.join(ARCHS)}")
+    POLICY.newest_gcc(toolkit)  # a toolkit built without its GCC limit is a policy error, said here
+    label = cuda.label_of(toolkit)
     return {
-        "cuda": cuda,
+        "cuda": toolkit,
         "arch": arch,
-        "label": label(cuda),
+        "label": label,
         "runner": RUNNERS[arch],
-        "image": IMAGES[arch].format(cuda=cuda),
+        "image": IMAGES[arch].format(cuda=toolkit),
         "python": f"/opt/python/{BUILD_PYTHON}/bin/python",
         "torch": TORCH_VERSION,
-        "torch_index": f"https://download.pytorch.org/whl/{label(cuda)}",
+        "torch_index": f"https://download.pytorch.org/whl/{label}",
         "platform": f"manylinux_2_28_{arch}",
-        "artifact": f"wheel-{label(cuda)}-{arch}",
+        "artifact": f"wheel-{label}-{arch}",
     }
 
 
 def cells() -> List[Dict[str, str]]:
-    return [cell(cuda, arch) for cuda in CUDA_VERSIONS for arch in ARCHS]
+    return [cell(toolkit, arch) for toolkit in CUDA_VERSIONS for arch in ARCHS]
 
 
 def matrix() -> Dict[str, List[Dict[str, str]]]:

@@ -34,11 +34,11 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+from installer.platform_tag import elf_machine
 
-import matrix  # noqa: E402
+from . import matrix
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Never bundled into a release wheel: torch's libraries (from the user's torch), the CUDA driver and
 # runtime (the driver comes with the machine; the runtime is linked statically), NCCL/NVRTC & co.
@@ -137,9 +137,6 @@ def build(cuda: str, out: Path, python: str, src: Path, require_floor: bool = Tr
 
 def check_arch(wheel: Path, arch: str) -> None:
     """The wheel's platform tag must name the CPU its library is for (read from the ELF header)."""
-    sys.path.insert(0, str(ROOT))
-    from installer.platform_tag import elf_machine
-
     with tempfile.TemporaryDirectory(prefix="cudelta-arch-") as tmp, zipfile.ZipFile(wheel) as zf:
         libs = [n for n in zf.namelist() if n.endswith(".so")]
         machines = {elf_machine(Path(zf.extract(n, tmp))) for n in libs}
