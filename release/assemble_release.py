@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The release fan-in: `python scripts/assemble_release.py --version 0.1.0 --out DIR WHEEL...`
+"""The release fan-in: `python -m release.assemble_release --version 0.1.0 --out DIR WHEEL...`
 
 After every cell's wheel is built and checked:
 
-1. scripts/make_release.py: the wheels, manifest.json, SHA256SUMS and the whl/<cuXYZ>/ indexes;
+1. release/make_release.py: the wheels, manifest.json, SHA256SUMS and the whl/<cuXYZ>/ indexes;
 2. the sdist, built only now, with CUDELTA_RELEASE_MANIFEST=DIR/manifest.json, so that it carries
    that manifest as installer/release_manifest.json (installer/commands.py): the installs verify a
    downloaded wheel against what PyPI served, not against anything the download host says;
@@ -11,9 +11,9 @@ After every cell's wheel is built and checked:
    developer's tree (build/, dist/, *.so), `twine check --strict`;
 4. adds the sdist to SHA256SUMS.
 
-release.yml's fan-in job and scripts/dry_run.py both run this. Options: --python PY builds the
+release.yml's fan-in job and release/dry_run.py both run this. Options: --python PY builds the
 sdist (needs setuptools, wheel and `build`; default this interpreter), --src DIR (default: this
-repository, copied as a checkout would be, by scripts/build_cell.py's rules).
+repository, copied as a checkout would be, by release/build_cell.py's rules).
 """
 
 from __future__ import annotations

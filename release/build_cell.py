@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Build one release cell's wheel: `python scripts/build_cell.py --cuda 13.0 --out DIR`.
+"""Build one release cell's wheel: `python -m release.build_cell --cuda 13.0 --out DIR`.
 
 What release.yml's build job runs inside the cell's manylinux_2_28 CUDA image, and what
-scripts/dry_run.py runs here:
+release/dry_run.py runs here:
 
 1. refuse a toolkit mismatch: the nvcc this build would use must be the cell's CUDA version;
 2. refuse a build without the glibc floor (installer/glibc_floor.py needs zig: PyPI `ziglang`);
@@ -15,7 +15,7 @@ scripts/dry_run.py runs here:
    user's torch and driver; the runtime is linked statically anyway). Repair grafting anything at
    all fails the cell.
 
-Prints the wheel's path on the last line. The checks (scripts/check_wheel.py) are a separate step.
+Prints the wheel's path on the last line. The checks (release/check_wheel.py) are a separate step.
 Options: --python PY (the interpreter with torch that builds; default this one), --src DIR (the
 tree to copy; default this repository), --keep-going-without-floor (local experiments only).
 """

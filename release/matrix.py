@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The release matrix: the one place that lists the build cells (CUDA toolkit x CPU arch).
 
-    python scripts/matrix.py                 # {"include": [cell, ...]} as JSON on stdout
-    python scripts/matrix.py --github-output # also `matrix=<json>` into $GITHUB_OUTPUT
-    python scripts/matrix.py --cell 13.0 x86_64   # one cell, e.g. for scripts/build_cell.py
-    python scripts/matrix.py --tag v0.1.0 --github-output   # also version=0.1.0, after checking that
+    python -m release.matrix                 # {"include": [cell, ...]} as JSON on stdout
+    python -m release.matrix --github-output # also `matrix=<json>` into $GITHUB_OUTPUT
+    python -m release.matrix --cell 13.0 x86_64   # one cell, e.g. for release/build_cell.py
+    python -m release.matrix --tag v0.1.0 --github-output   # also version=0.1.0, after checking that
                                                             # the tag is pyproject.toml's version
 
 release.yml's `plan` job runs this and feeds `fromJSON(needs.plan.outputs.matrix)` to the build

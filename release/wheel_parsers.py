@@ -1,4 +1,4 @@
-"""The pure parts of the wheel checks (scripts/check_wheel.py): constants, tool-output parsers,
+"""The pure parts of the wheel checks (release/check_wheel.py): constants, tool-output parsers,
 ELF and RECORD readers, and how the external tools are found and run. No check lives here.
 
 Tested on sample tool output by tests/unit/test_check_wheel.py (through check_wheel, which

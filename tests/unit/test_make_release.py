@@ -1,4 +1,4 @@
-"""scripts/make_release.py: release assets from real (tiny) wheels, checked as the installer and pip read them."""
+"""release/make_release.py: release assets from real (tiny) wheels, checked as the installer and pip read them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from wheel.wheelfile import WheelFile
 
 from installer.manifest import loads_manifest, parse_manifest
+from release import assemble_release, make_release
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,6 @@ def load_module(name: str, path: Path) -> ModuleType:
     return sys.modules[name]
 
 
-make_release = load_module("make_release", ROOT / "scripts" / "make_release.py")
 ReleaseError = make_release.ReleaseError
 
 VERSION = "0.1.0"
@@ -205,8 +205,8 @@ def test_make_asset_is_a_pure_function_of_its_inputs():
 
 def test_script_runs_as_the_workflow_calls_it(tmp_path, wheels):
     out = tmp_path / "cli"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_release.py"), "--version", VERSION,
-                           "--out", str(out), *map(str, wheels)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "release.make_release", "--version", VERSION,
+                           "--out", str(out), *map(str, wheels)], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "cu130" in proc.stdout
     assert loads_manifest((out / "manifest.json").read_text()).version == VERSION
@@ -270,10 +270,7 @@ def test_main_reports_errors_in_one_line(tmp_path, wheels, capsys):
     assert err.startswith("make_release: error: ") and "Traceback" not in err
 
 
-# -- the fan-in around it (scripts/assemble_release.py) -----------------------------------------
-
-assemble_release = load_module("assemble_release", ROOT / "scripts" / "assemble_release.py")
-
+# -- the fan-in around it (release/assemble_release.py) -----------------------------------------
 
 def fake_sdist(folder: Path, manifest_text: Optional[str], version: str = VERSION) -> Path:
     import io
