@@ -35,7 +35,9 @@ from . import build_cell, make_release
 ROOT = Path(__file__).resolve().parent.parent
 
 EMBEDDED = "installer/release_manifest.json"
-FORBIDDEN_IN_SDIST = ("/build/", "/dist/", ".so", ".whl", "/.git/", "__pycache__")
+# Build leftovers, and the release tooling and shell scripts, which never ship (MANIFEST.in grafts
+# installer/, csrc/ and kernels/ only; pyproject.toml packages cudelta/ only).
+FORBIDDEN_IN_SDIST = ("/build/", "/dist/", ".so", ".whl", "/.git/", "__pycache__", "/release/", "/scripts/")
 
 
 class AssembleError(Exception):
@@ -79,7 +81,7 @@ def check_sdist(sdist: Path, manifest: Path, version: str) -> List[str]:
                 problems.append(f"{EMBEDDED} differs from {manifest}")
     stray = [n for n in names if any(bad in f"/{n}" for bad in FORBIDDEN_IN_SDIST)]
     if stray:
-        problems.append(f"build leftovers inside: {', '.join(stray[:5])}")
+        problems.append(f"build leftovers or release tooling inside: {', '.join(stray[:5])}")
     twine = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(sdist)],
                            capture_output=True, text=True)
     if twine.returncode != 0 or "PASSED" not in twine.stdout:

@@ -272,13 +272,14 @@ def test_main_reports_errors_in_one_line(tmp_path, wheels, capsys):
 
 # -- the fan-in around it (release/assemble_release.py) -----------------------------------------
 
-def fake_sdist(folder: Path, manifest_text: Optional[str], version: str = VERSION) -> Path:
+def fake_sdist(folder: Path, manifest_text: Optional[str], version: str = VERSION, extra: tuple = ()) -> Path:
     import io
     import tarfile
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"cudelta-{version}.tar.gz"
     members = {f"cudelta-{version}/PKG-INFO": f"Metadata-Version: 2.4\nName: cudelta\nVersion: {version}\n"}
+    members.update({f"cudelta-{version}/{name}": "" for name in extra})
     if manifest_text is not None:
         members[f"cudelta-{version}/{assemble_release.EMBEDDED}"] = manifest_text
     with tarfile.open(path, "w:gz") as tf:
@@ -311,3 +312,14 @@ def test_an_sdist_without_the_manifest_or_with_another_is_refused(release, tmp_p
     assert not any("manifest" in p for p in same), same
     wrong_version = assemble_release.check_sdist(fake_sdist(tmp_path / "d", None, "0.2.0"), manifest, VERSION)
     assert any("is not cudelta-0.1.0.tar.gz" in p for p in wrong_version)
+
+
+def test_an_sdist_carrying_the_release_tooling_is_refused(release, tmp_path):
+    manifest = release / "manifest.json"
+    policy = ("cudelta/_release_policy.py",)  # the policy ships: the loader's driver guard reads it
+    assert not any("inside" in p for p in assemble_release.check_sdist(
+        fake_sdist(tmp_path / "a", manifest.read_text(), extra=policy), manifest, VERSION))
+    for tool in ("release/check_wheel.py", "scripts/test.sh"):
+        problems = assemble_release.check_sdist(fake_sdist(tmp_path / tool.split("/")[0], manifest.read_text(),
+                                                           extra=policy + (tool,)), manifest, VERSION)
+        assert any(f"release tooling inside: cudelta-{VERSION}/{tool}" in p for p in problems), problems
