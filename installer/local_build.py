@@ -86,7 +86,8 @@ def prepare(settings: Settings, target: TargetEnv, version: str, work_dir: Path)
     build_record.write_header(record, header_dir)
     names = ", ".join(record["archs"] + record["ptx"])
     return Compile(
-        extension=native.extension(archs, compress=True, jobs=jobs, header_dir=header_dir),
+        extension=native.extension(archs, compress=True, jobs=jobs, header_dir=header_dir,
+                                   release_build=settings.release_build),
         build_ext=build_ext_class(cpp.BuildExtension, record),
         record=record,
         announcement=(f"compiling for {names} ({why}) with {jobs} job(s), nvcc {toolkit}, "

@@ -82,7 +82,7 @@ def link_libraries(libraries: Sequence[str]) -> list[str]:
     return out + [lib for lib in STATIC_CUDART if lib not in out]
 
 
-def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_dir: Path):
+def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_dir: Path, release_build: bool):
     from torch.utils.cpp_extension import CUDAExtension
 
     ext = CUDAExtension(
@@ -93,9 +93,7 @@ def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_
         py_limited_api=True,
     )
     ext.libraries = link_libraries(ext.libraries)
-    from .settings import Settings
-
-    if Settings.from_env().release_build:
+    if release_build:  # Settings.release_build, read once by the caller
         # Release assets link against glibc 2.28 (manylinux_2_28) whatever this host runs; the
         # why and how are in installer/glibc_floor.py. A local build targets this machine only.
         from . import glibc_floor

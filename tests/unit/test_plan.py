@@ -2,7 +2,7 @@
 
 import pytest
 
-from installer import native, shipped, toolchain
+from installer import cuda, native, shipped, toolchain
 from installer.plan import compile_archs, plan_for
 from installer.errors import InstallerError
 from installer.settings import Settings
@@ -35,7 +35,7 @@ def test_non_linux_gets_the_pure_python_wheel(os_name):
 
 
 def test_driver_override_cpu_gets_the_pure_python_wheel():
-    plan = plan_for(Settings(), target(driver_cuda=None, driver_overridden=True))
+    plan = plan_for(Settings(), target(driver_cuda=None, driver_override=cuda.DriverOverride(None)))
     assert plan.kind == "pure" and "CUDELTA_DRIVER_CUDA=cpu" in plan.reason
 
 
