@@ -3,7 +3,7 @@ the time detection takes, in one run, on this machine.
 
     .ci-cache/venvs/runner/bin/python benchmarks/install_time.py [--repeat 3] [--out benchmarks/results-install-time.md]
 
-(the runner venv of scripts/test.sh has the release checks' tools that scripts/dry_run.py runs)
+(the runner venv of scripts/test.sh has the release checks' tools that release/dry_run.py runs)
 
 Uses the end-to-end test machinery: a base venv with torch 2.14.1+cu130 (made once, cached in
 CUDELTA_TEST_CACHE), the sdist and release assets built from this tree, the local GitHub-like
@@ -31,11 +31,11 @@ from release_server import ReleaseServer  # noqa: E402
 
 
 def build_inputs(base: e2e.Venv, work: Path) -> tuple[Path, Path]:
-    """The release as the fan-in makes it (scripts/dry_run.py): the wheel, its manifest, the sdist
+    """The release as the fan-in makes it (release/dry_run.py): the wheel, its manifest, the sdist
     carrying it."""
     release = work / "release"
-    e2e.run([sys.executable, ROOT / "scripts" / "dry_run.py", "--out", release, "--python", base.python],
-            timeout=2400)
+    e2e.run([sys.executable, "-m", "release.dry_run", "--out", release, "--python", base.python],
+            cwd=ROOT, timeout=2400)
     (sdist,) = release.glob("cudelta-*.tar.gz")
     return sdist, release
 

@@ -3,7 +3,7 @@
 Written once, by installer/build_record.py, beside the library (and embedded in it: the
 `cudelta::build_info` op returns the same JSON). Read only through `parse` here: by the loader
 (cudelta/_native.py) before dlopen, by `python -m cudelta`, by the release tooling
-(scripts/make_release.py: the manifest) and by the wheel checks (scripts/check_wheel.py).
+(release/make_release.py: the manifest) and by the wheel checks (release/check_wheel.py).
 Standard library only, and no import of the package: build tooling loads this file by path,
 where torch may not be installed.
 

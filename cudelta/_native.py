@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import _build_record, _install_record
+from . import _build_record, _install_record, _release_policy
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 VARIANT_ENV = "CUDELTA_KERNEL_VARIANT"
@@ -168,10 +168,12 @@ def install_check(record: Optional[dict], machine: _install_record.Machine) -> O
 
 
 def driver_floor(info: dict) -> tuple[int, int]:
-    """The oldest driver that runs the library: its toolkit's major release (the CUDA runtime is
-    linked statically, so minor-version compatibility holds within a major)."""
-    floor = str(info.get("driver_floor") or f"{str(info.get('cuda_toolkit', '0')).split('.')[0]}.0")
-    major, _, minor = floor.partition(".")
+    """The oldest driver that runs the library: the record's floor, else the release policy's rule
+    for its toolkit (records written before the field existed)."""
+    floor = info.get("driver_floor")
+    if not floor:
+        return _release_policy.driver_floor(str(info.get("cuda_toolkit", "0.0")))
+    major, _, minor = str(floor).partition(".")
     return int(major), int(minor or 0)
 
 

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
-from . import cuda
+from . import cuda, shipped
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTHON_FLOOR = "3.10"
+policy = shipped.load("_release_policy")  # the Python and driver floors a record states
 
 
 def _load_reader():
@@ -69,10 +69,9 @@ def build_record(*, version: str, toolkit: str, archs: Sequence[cuda.ArchTarget]
         "ptx": [a.ptx_name for a in archs if a.ptx_name],
         "torch_built_with": torch_version,
         "torch_floor": torch_floor,
-        "python_floor": PYTHON_FLOOR,
-        # Static runtime: any driver of the toolkit's major runs the cubins (minor-version
-        # compatibility); the loader and the release manifest read this floor.
-        "driver_floor": cuda.format_version((toolkit_version[0], 0)),
+        "python_floor": policy.PYTHON_FLOOR,
+        # The loader and the release manifest read this floor.
+        "driver_floor": cuda.format_version(policy.driver_floor(toolkit)),
         "git_revision": revision,
         "build": kind,
         "fatbin_compression": compressed,

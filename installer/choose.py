@@ -173,7 +173,7 @@ def _rule_platform(asset: Asset, ctx: _Context) -> Tuple[Optional[str], str]:
 
 def _driver_desc(target: TargetEnv) -> str:
     assert target.driver_cuda is not None
-    by = " by CUDELTA_DRIVER_CUDA" if target.driver_overridden else ""
+    by = " by CUDELTA_DRIVER_CUDA" if target.driver_override else ""
     return f"driver CUDA {cuda.format_version(target.driver_cuda)}{by}"
 
 
@@ -231,8 +231,8 @@ def pure_python_reason(target: TargetEnv) -> Optional[str]:
     """Why the target gets no native code at all, or None. The one place this is decided."""
     if target.os_name != "linux":
         return f"{target.os_name} has no CUDA build of cudelta: {PURE_PYTHON_TAIL}"
-    if target.driver_overridden and target.driver_cuda is None:
-        return f"CUDELTA_DRIVER_CUDA=cpu: {PURE_PYTHON_TAIL}"
+    if target.driver_override and target.driver_override.cpu:
+        return f"CUDELTA_DRIVER_CUDA={target.driver_override}: {PURE_PYTHON_TAIL}"
     return None
 
 

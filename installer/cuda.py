@@ -47,6 +47,21 @@ def format_version(version: CudaVersion) -> str:
     return f"{version[0]}.{version[1]}"
 
 
+@dataclass(frozen=True)
+class DriverOverride:
+    """CUDELTA_DRIVER_CUDA, parsed once (installer/settings.py): the driver CUDA version to choose a
+    wheel for, or None for `cpu` (the pure-Python wheel)."""
+
+    version: Optional[CudaVersion]
+
+    @property
+    def cpu(self) -> bool:
+        return self.version is None
+
+    def __str__(self) -> str:
+        return "cpu" if self.version is None else format_version(self.version)
+
+
 def label(version: CudaVersion) -> str:
     """(13, 0) -> 'cu130'."""
     return f"cu{version[0]}{version[1]}"

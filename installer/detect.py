@@ -101,13 +101,12 @@ def _select_interpreter(
     return facts, source, notes
 
 
-def _apply_driver_override(env: TargetEnv, driver_cuda: Optional[str]) -> TargetEnv:
-    if driver_cuda is None:
+def _apply_driver_override(env: TargetEnv, override: Optional[cuda.DriverOverride]) -> TargetEnv:
+    if override is None:
         return env
     seen = cuda.format_version(env.driver_cuda) if env.driver_cuda else "none"
-    override = None if driver_cuda == "cpu" else cuda.parse_version(driver_cuda)
-    note = f"driver CUDA {driver_cuda} set by CUDELTA_DRIVER_CUDA (the driver seen: {seen})"
-    return replace(env, driver_cuda=override, driver_overridden=True, overridden_driver_seen=env.driver_cuda,
+    note = f"driver CUDA {override} set by CUDELTA_DRIVER_CUDA (the driver seen: {seen})"
+    return replace(env, driver_cuda=override.version, driver_override=override, overridden_driver_seen=env.driver_cuda,
                    notes=env.notes + (note,))
 
 

@@ -23,8 +23,8 @@ FILENAME: str = reader.FILENAME
 def machine_facts(target: TargetEnv) -> Dict[str, Any]:
     """What the choice was made from: the driver as seen (an override is named beside it)."""
     override = None
-    if target.driver_overridden:
-        override = "CUDELTA_DRIVER_CUDA=" + (cuda.format_version(target.driver_cuda) if target.driver_cuda else "cpu")
+    if target.driver_override:
+        override = f"CUDELTA_DRIVER_CUDA={target.driver_override}"
     return {
         "os": target.os_name,
         "arch": target.machine,
@@ -56,7 +56,7 @@ def prebuilt(target: TargetEnv, choice, source: Mapping[str, str]) -> Dict[str, 
 
 def pure(target: TargetEnv, reason: str) -> Dict[str, Any]:
     """The pure-Python wheel's record: chosen by the user (CUDELTA_DRIVER_CUDA=cpu) or by the platform."""
-    because = "override" if target.driver_overridden and target.driver_cuda is None else "platform"
+    because = "override" if target.driver_override and target.driver_override.cpu else "platform"
     return reader.parse({"schema": SCHEMA, "kind": "pure", "reason": reason, "machine": machine_facts(target),
                          "pure_because": because})
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List
 
-from . import build_record, native, platform_tag, toolchain
+from . import build_record, native, platform_tag, shipped, toolchain
 from .errors import InstallerError
 from .log import say
 from .plan import compile_archs
@@ -80,13 +80,14 @@ def prepare(settings: Settings, target: TargetEnv, version: str, work_dir: Path)
     toolkit = nvcc_version or torch_cuda
     record = build_record.build_record(
         version=version, toolkit=toolkit, archs=archs, torch_version=cpp.torch.__version__,
-        torch_floor=native.TORCH_FLOOR, kind="release" if settings.release_build else "local", compressed=True,
+        torch_floor=shipped.load("_release_policy").TORCH_FLOOR, kind="release" if settings.release_build else "local", compressed=True,
         revision=build_record.git_revision())
     header_dir = work_dir / "cudelta-generated"
     build_record.write_header(record, header_dir)
     names = ", ".join(record["archs"] + record["ptx"])
     return Compile(
-        extension=native.extension(archs, compress=True, jobs=jobs, header_dir=header_dir),
+        extension=native.extension(archs, compress=True, jobs=jobs, header_dir=header_dir,
+                                   release_build=settings.release_build),
         build_ext=build_ext_class(cpp.BuildExtension, record),
         record=record,
         announcement=(f"compiling for {names} ({why}) with {jobs} job(s), nvcc {toolkit}, "

@@ -19,11 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("csrc/ops.cpp", "kernels/dispatch.cu", "kernels/probe.cu",
            *sorted(f"kernels/units/{unit.name}" for unit in (ROOT / "kernels" / "units").glob("*.cu")))
 
-# What a release wheel carries: sm_80 covers 8.x, the arch-specific sm_90a Hopper, the family
-# cubins sm_100f / sm_120f Blackwell datacenter / consumer, and compute_120 PTX for what comes next.
-RELEASE_ARCHS = ("8.0", "9.0a", "10.0f", "12.0f+PTX")
-TORCH_FLOOR = "2.10"
-# TORCH_TARGET_VERSION encodes major << 56 | minor << 48: the oldest torch whose stable ABI we use.
+# The release archs and the torch floor are the release policy's (cudelta/_release_policy.py).
+# TORCH_TARGET_VERSION encodes major << 56 | minor << 48: the policy's TORCH_FLOOR, the oldest torch
+# whose stable ABI we use (tests/unit/test_release_policy.py holds the two together).
 TORCH_TARGET_VERSION = "0x020a000000000000"
 PY_LIMITED_API = "0x030a0000"
 PY_LIMITED_API_TAG = "cp310"
@@ -84,7 +82,7 @@ def link_libraries(libraries: Sequence[str]) -> list[str]:
     return out + [lib for lib in STATIC_CUDART if lib not in out]
 
 
-def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_dir: Path):
+def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_dir: Path, release_build: bool):
     from torch.utils.cpp_extension import CUDAExtension
 
     ext = CUDAExtension(
@@ -95,9 +93,7 @@ def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_
         py_limited_api=True,
     )
     ext.libraries = link_libraries(ext.libraries)
-    from .settings import Settings
-
-    if Settings.from_env().release_build:
+    if release_build:  # Settings.release_build, read once by the caller
         # Release assets link against glibc 2.28 (manylinux_2_28) whatever this host runs; the
         # why and how are in installer/glibc_floor.py. A local build targets this machine only.
         from . import glibc_floor

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from . import cuda
+from . import shipped
 from .choose import pure_python_reason
-from .native import RELEASE_ARCHS
 from .settings import Settings
 from .target import TargetEnv
 
@@ -36,7 +36,7 @@ def plan_for(settings: Settings, target: TargetEnv) -> Plan:
 
 
 def release_targets() -> List[cuda.ArchTarget]:
-    return cuda.parse_arch_targets(RELEASE_ARCHS)
+    return cuda.parse_arch_targets(shipped.load("_release_policy").RELEASE_ARCHS)
 
 
 def archs_for_gpus(capabilities: Sequence[Tuple[int, int]]) -> List[cuda.ArchTarget]:

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 # The lowest tag a release claims: manylinux_2_28, what release builds link against
 # (installer/glibc_floor.py). Lower would not be honest even where the glibc symbols allow it: the
 # C++ runtime parts (GLIBCXX_3.4.21 from GCC >= 5) need manylinux_2_24 by auditwheel's policy, and
-# 2_28 is the floor the project documents and checks (scripts/check_wheel.py).
+# 2_28 is the floor the project documents and checks (release/check_wheel.py).
 MANYLINUX_FLOOR = (2, 28)
 
 
@@ -103,5 +103,5 @@ def manylinux_tag(glibc: tuple[int, int], machine: str) -> str:
 
 def release_platform(machine: str) -> str:
     """The tag a release wheel claims: manylinux_2_28_<machine>. The one place it is spelled
-    (the release build's wheel name, scripts/check_wheel.py's expected tag)."""
+    (the release build's wheel name, release/check_wheel.py's expected tag)."""
     return manylinux_tag(MANYLINUX_FLOOR, machine)

@@ -131,11 +131,11 @@ def parse_kilobytes_per_second(name: str, raw: str) -> float:
     return value
 
 
-def parse_driver_cuda(name: str, raw: str) -> str:
-    """'13.0', '130', 'cu130' -> '13.0'; 'cpu' / 'none' -> 'cpu' (pure-Python wheel)."""
+def parse_driver_cuda(name: str, raw: str) -> cuda.DriverOverride:
+    """'13.0', '130', 'cu130' -> (13, 0); 'cpu' / 'none' -> cpu (the pure-Python wheel)."""
     value = raw.strip().lower()
     if value in {"cpu", "none"}:
-        return "cpu"
+        return cuda.DriverOverride(None)
     accepted = (f"accepted: {cuda.format_version(DRIVER_CUDA_FLOOR)} to {DRIVER_CUDA_MAJOR_MAX}.9, the CUDA "
                 "version the target's NVIDIA driver supports as nvidia-smi prints it (13.0, also 130 or cu130), "
                 "or cpu")
@@ -145,7 +145,7 @@ def parse_driver_cuda(name: str, raw: str) -> str:
         raise SettingsError(f"{name}={shown(raw)} is not a CUDA version; {accepted}") from None
     if not (DRIVER_CUDA_FLOOR <= version and version[0] <= DRIVER_CUDA_MAJOR_MAX and version[1] <= 9):
         raise SettingsError(f"{name}={shown(raw)} is not a CUDA version an NVIDIA driver reports; {accepted}")
-    return cuda.format_version(version)
+    return cuda.DriverOverride(version)
 
 
 def _arch_problem(target: cuda.ArchTarget) -> Optional[str]:
@@ -413,7 +413,7 @@ class Settings:
         doc="Download cache, an absolute path or `~/...` (default: the user cache dir, e.g. "
         "`~/.cache/cudelta`).",
     )
-    driver_cuda: Optional[str] = _setting(
+    driver_cuda: Optional[cuda.DriverOverride] = _setting(
         "CUDELTA_DRIVER_CUDA", "CUDELTA_CUDA_VERSION", parse=parse_driver_cuda,
         doc="The driver CUDA version to choose a prebuilt wheel for (`12.8`, `13.0`, `cu130`; 10.0 to "
         "99.9, as nvidia-smi prints it), instead of the driver this build sees (none in an image "

@@ -47,8 +47,8 @@ class TargetEnv:
     torch_cuda: Optional[str] = None  # '13.0'; None: CPU/ROCm torch, or not visible
     torch_cxx11_abi: Optional[bool] = None
     driver_cuda: Optional[Tuple[int, int]] = None  # cuDriverGetVersion 13000 -> (13, 0)
-    # True when driver_cuda came from CUDELTA_DRIVER_CUDA (None there means `cpu`).
-    driver_overridden: bool = False
+    # CUDELTA_DRIVER_CUDA when set: driver_cuda is then its version (None for `cpu`).
+    driver_override: Optional[cuda.DriverOverride] = None
     overridden_driver_seen: Optional[Tuple[int, int]] = None  # what the driver said, under an override
     gpus: Tuple[Gpu, ...] = ()
     nvcc_version: Optional[str] = None  # '13.0'
@@ -59,7 +59,7 @@ class TargetEnv:
     @property
     def driver_seen(self) -> Optional[Tuple[int, int]]:
         """The driver this build saw, whatever CUDELTA_DRIVER_CUDA says (the install record keeps it)."""
-        return self.overridden_driver_seen if self.driver_overridden else self.driver_cuda
+        return self.overridden_driver_seen if self.driver_override else self.driver_cuda
 
     @property
     def python_tag(self) -> str:
@@ -75,9 +75,9 @@ class TargetEnv:
             parts.append(f"torch {self.torch_version} ({torch_cuda}{abi})")
         else:
             parts.append("torch not seen (reported only, not needed to choose)")
-        if self.driver_overridden:
-            parts.append(f"driver CUDA {cuda.format_version(self.driver_cuda)} by CUDELTA_DRIVER_CUDA"
-                         if self.driver_cuda else "CUDELTA_DRIVER_CUDA=cpu")
+        if self.driver_override:
+            parts.append("CUDELTA_DRIVER_CUDA=cpu" if self.driver_override.cpu
+                         else f"driver CUDA {self.driver_override} by CUDELTA_DRIVER_CUDA")
         else:
             parts.append(f"driver CUDA {cuda.format_version(self.driver_cuda)}" if self.driver_cuda
                          else "no NVIDIA driver")

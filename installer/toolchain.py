@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Tuple
 
-from . import cuda
+from . import cuda, shipped
 from .errors import InstallerError
 
 TOOL_TIMEOUT_S = 10.0
 DEFAULT_CUDA_ROOT = "/usr/local/cuda"
 _RUNTIME_DIRS = ("lib64", "lib", "targets/x86_64-linux/lib")
 
-# Newest GCC major each CUDA toolkit's nvcc accepts (CUDA installation guides).
-MAX_GCC_FOR_CUDA = {(12, 4): 13, (12, 5): 13, (12, 6): 13, (12, 8): 14, (12, 9): 14, (13, 0): 15, (13, 1): 15}
+# The newest GCC of each toolkit is the release policy's (cudelta/_release_policy.py).
+_policy = shipped.load("_release_policy")
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,16 @@ class CudaToolkit:
     root: Optional[str]  # what CUDA_HOME must say for torch's build to use that nvcc; None: torch's guess
 
 
+def run_process(argv: Sequence[str], timeout: float = TOOL_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run a tool without input, its output captured as text: the one way installer/ and the release
+    tooling run a tool. Raises OSError (not runnable) and subprocess.TimeoutExpired."""
+    return subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+
+
 def run_tool(argv: Sequence[str], timeout: float = TOOL_TIMEOUT_S) -> Tuple[Optional[str], Optional[str]]:
     """(stdout + stderr, None), or (None, why the tool could not answer)."""
     try:
-        proc = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = run_process(argv, timeout)
     except subprocess.TimeoutExpired:
         return None, f"`{' '.join(argv)}` did not answer within {timeout:g} s"
     except OSError as e:
@@ -151,7 +156,7 @@ def check_toolchain(torch_cuda: Optional[str], nvcc_version: Optional[str], gcc_
             f"https://download.pytorch.org/whl/{cuda.label(nvcc)})."
         )
     if gcc_major is not None:
-        limit = MAX_GCC_FOR_CUDA.get(nvcc)
+        limit = _policy.MAX_GCC_FOR_CUDA.get(nvcc)  # a toolkit newer than the policy: no known limit
         if limit is not None and gcc_major > limit:
             raise InstallerError(
                 f"cannot compile cudelta: the host compiler is GCC {gcc_major}, but nvcc {nvcc_version} supports "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests (marker gpu) against what a user installs, as .github/workflows/gpu-tests.yml runs
 # them on a self-hosted GPU runner:
-#   1. the release: scripts/dry_run.py builds it (the fat binary, its checks, manifest.json, the
+#   1. the release: release/dry_run.py builds it (the fat binary, its checks, manifest.json, the
 #      sdist that embeds it), or --release DIR names one already built;
 #   2. a fresh venv, and cudelta installed as a user does: `pip install cudelta-X.tar.gz` with
 #      CUDELTA_WHEEL_URL=file://DIR, which must fetch, verify and install the release wheel (a
@@ -11,7 +11,7 @@
 #   4. pytest -m gpu tests/gpu against the install (the foreign-image cases fail, not skip, without 3).
 #
 # usage: scripts/gpu_tests.sh [--release DIR] [--base-python PY] [--work DIR] [pytest args...]
-#   --release DIR      a folder written by `scripts/dry_run.py --out DIR`: no release compile here
+#   --release DIR      a folder written by `release/dry_run.py --out DIR`: no release compile here
 #                      (a GPU machine without the release tools or a network)
 #   --base-python PY   offline: the fresh venv sees PY's packages (torch, pytest, pip, ninja) through
 #                      a .pth instead of pip-installing torch and pytest. The sdist's isolated build
@@ -42,12 +42,12 @@ if [ -z "$release" ]; then
   "$rvenv/bin/pip" install -q torch==2.14.1 -r scripts/release-tools.txt
   release="$work/release"
   rm -rf "$release"
-  say "building the release (scripts/dry_run.py) into $release"
-  "$rvenv/bin/python" scripts/dry_run.py --python "$rvenv/bin/python" --out "$release"
+  say "building the release (release/dry_run.py) into $release"
+  "$rvenv/bin/python" -m release.dry_run --python "$rvenv/bin/python" --out "$release"
 fi
 sdists=("$release"/cudelta-*.tar.gz)
-[ "${#sdists[@]}" = 1 ] && [ -f "${sdists[0]}" ] || die "$release holds no single cudelta-*.tar.gz; give a folder written by scripts/dry_run.py --out"
-[ -f "$release/manifest.json" ] || die "$release has no manifest.json; give a folder written by scripts/dry_run.py --out"
+[ "${#sdists[@]}" = 1 ] && [ -f "${sdists[0]}" ] || die "$release holds no single cudelta-*.tar.gz; give a folder written by release/dry_run.py --out"
+[ -f "$release/manifest.json" ] || die "$release has no manifest.json; give a folder written by release/dry_run.py --out"
 sdist=${sdists[0]}
 
 # 2. A fresh venv and the install a user runs.

@@ -120,7 +120,7 @@ def fake_driver(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dry_run(base_cu, tmp_path_factory):
-    """(release folder, printed summary, check results) of `scripts/dry_run.py`: the release as the
+    """(release folder, printed summary, check results) of `release/dry_run.py`: the release as the
     matrix and its fan-in make it (the release build, every wheel check, manifest.json, SHA256SUMS,
     the PEP 503 index, then the sdist carrying the manifest). One run per session serves every
     end-to-end test."""
@@ -128,10 +128,10 @@ def dry_run(base_cu, tmp_path_factory):
     # A developer iterating on the install side may reuse a release wheel built earlier (the
     # compile is the slow part); CI never sets it, so every CI run compiles the release.
     reuse = os.environ.get("CUDELTA_TEST_REUSE_RELEASE_WHEEL")
-    proc = run([sys.executable, ROOT / "scripts" / "dry_run.py", "--out", out, "--python", base_cu.python,
+    proc = run([sys.executable, "-m", "release.dry_run", "--out", out, "--python", base_cu.python,
                 *(["--reuse-wheel", reuse] if reuse else [])],
-               env=clean_env(), timeout=2400, check=False)
-    assert proc.returncode == 0, f"dry_run.py exited {proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+               env=clean_env(), cwd=ROOT, timeout=2400, check=False)
+    assert proc.returncode == 0, f"release.dry_run exited {proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
     checks = json.loads((out.parent / "release-checks.json").read_text())
     return out, proc.stdout, checks
 
@@ -253,8 +253,7 @@ print(json.dumps({'record': _native.read_build_info(), 'library': str(lib) if li
 
 
 def _cuobjdump_archs(library: Path, kind: str) -> list[str]:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from wheel_parsers import find_cuobjdump, parse_cuobjdump_list
+    from release.wheel_parsers import find_cuobjdump, parse_cuobjdump_list
 
     tool = find_cuobjdump()  # nvidia-cuda-cuobjdump in the runner venv (scripts/test.sh)
     assert tool, "cuobjdump not found: pip install nvidia-cuda-cuobjdump into the test venv"

@@ -506,7 +506,7 @@ class ReleaseServer:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Serve a release folder like GitHub Releases.")
-    parser.add_argument("directory", type=Path, help="the release folder (what scripts/make_release.py wrote)")
+    parser.add_argument("directory", type=Path, help="the release folder (what release/make_release.py wrote)")
     parser.add_argument("--tag", default="v0.1.0", help="the release tag (default: v0.1.0)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--quiet", action="store_true", help="do not print each request")

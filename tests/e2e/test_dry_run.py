@@ -1,4 +1,4 @@
-"""`python scripts/dry_run.py --out DIR` end to end: the release it writes passes every check, is
+"""`python -m release.dry_run --out DIR` end to end: the release it writes passes every check, is
 manylinux_2_28 by auditwheel, and installs, served on 127.0.0.1 like GitHub Releases + Pages:
 through the sdist (verified against the manifest embedded in it), and straight from the PEP 503
 index with pip and with uv. A valid but different wheel in its place is refused.
@@ -19,13 +19,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TAG, VERSION, clean_env, find_uv, pip_output, run
+from conftest import TAG, VERSION, clean_env, find_uv, pip_output, run
 from release_server import ReleaseServer
 
 pytestmark = pytest.mark.e2e
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import check_wheel  # noqa: E402
+from release import check_wheel
 
 
 @pytest.fixture

@@ -3,16 +3,17 @@ reader; and the older spelling the readers still accept."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 from wheel.wheelfile import WheelFile
 
-from installer import build_record, native, plan
+from installer import build_record, plan, shipped
+
+POLICY = shipped.load("_release_policy")
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = "0.1.0"
@@ -20,13 +21,8 @@ RELEASE_WHEEL = f"cudelta-{VERSION}+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
 
 
 def _script(name: str):
-    """scripts/ is not a package: load a script by path, once (the tests of each script do the same)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """A module of the release tooling (release/)."""
+    return importlib.import_module(f"release.{name}")
 
 
 def _release_wheel(folder: Path, record_text: str) -> Path:
@@ -48,7 +44,7 @@ def test_a_real_record_passes_every_reader(tmp_path):
     torch = pytest.importorskip("torch")  # the run-time loader imports it
     record = build_record.build_record(
         version=VERSION, toolkit="13.0", archs=plan.release_targets(), torch_version="2.14.1+cu130",
-        torch_floor=native.TORCH_FLOOR, kind="release", compressed=True, revision=build_record.git_revision())
+        torch_floor=POLICY.TORCH_FLOOR, kind="release", compressed=True, revision=build_record.git_revision())
     assert record["schema"] == build_record.SCHEMA and record["cuda_label"] == "cu130"
     assert set(record) == set(build_record.reader.FIELDS)  # schema 2 only: no legacy `variant` copy
 

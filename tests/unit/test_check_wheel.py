@@ -1,30 +1,16 @@
-"""The parsing helpers of scripts/check_wheel.py, on sample tool output (no torch, no CUDA, no tools)."""
+"""The parsing helpers of release/check_wheel.py, on sample tool output (no torch, no CUDA, no tools)."""
 
 import base64
 import hashlib
-import importlib.util
 import json
 import struct
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "check_wheel.py"
-
-
-def _load_check_wheel():
-    """scripts/ is not a package: load scripts/check_wheel.py by path (once per session)."""
-    if "check_wheel" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("check_wheel", _PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["check_wheel"] = module  # dataclasses look their module up while the class is made
-        spec.loader.exec_module(module)
-    return sys.modules["check_wheel"]
-
-
-cw = _load_check_wheel()
+from installer import cuda
+from release import check_wheel as cw
 
 # cuobjdump 13.x on a wheel built with nvcc 13.0 for sm_80, sm_90a, sm_100f, sm_120f + compute_120.
 LIST_ELF = """\
@@ -138,7 +124,7 @@ def test_release_archs_map_onto_the_listing():
 
 @pytest.mark.parametrize("toolkit, label", [("13.0", "cu130"), ("12.8", "cu128"), ("13.1.2", "cu131")])
 def test_cuda_label(toolkit, label):
-    assert cw.cuda_label(toolkit) == label
+    assert cuda.label_of(toolkit) == label  # the one label function: installer's
 
 
 # --- cuobjdump ---------------------------------------------------------------------------------
@@ -394,7 +380,7 @@ def test_needed_libs_refuse_the_cuda_runtime_and_the_driver(tmp_path):
 
 
 def test_glibc_binding_names_glibc_symbols_left_without_a_version(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules["wheel_audits"], "host_glibc_symbols", lambda: {"fstat64", "strlen", "memcpy"})
+    monkeypatch.setattr(sys.modules["release.wheel_audits"], "host_glibc_symbols", lambda: {"fstat64", "strlen", "memcpy"})
     ok, detail, data = _checker_with(tmp_path, {"-T": OBJDUMP_UNVERSIONED}).check_glibc_binding()
     assert not ok and data["unbound"] == ["fstat64"] and "fstat64" in detail
     clean = OBJDUMP_UNVERSIONED.replace("fstat64", "torch_new_list_reserve_size")

@@ -10,6 +10,7 @@ from installer.choose import (
     target_platforms,
     target_tags,
 )
+from installer import cuda
 from installer.cuda import arch_covers, covering_arch
 from installer.manifest import Asset, Manifest
 from installer.target import Gpu, TargetEnv
@@ -163,7 +164,7 @@ def test_no_driver_takes_the_most_compatible_build_and_says_so_in_one_line():
 
 
 def test_driver_override_chooses_for_another_machine():
-    t = target(driver_cuda=(13, 0), driver_overridden=True, gpus=())
+    t = target(driver_cuda=(13, 0), driver_override=cuda.DriverOverride((13, 0)), gpus=())
     choice = choose(manifest(CU129, CU130), t, "0.1.0")
     assert choice.asset == CU130 and "driver CUDA 13.0 by CUDELTA_DRIVER_CUDA" in choice.reason
 
@@ -202,7 +203,7 @@ def test_local_label_of_the_package_version_is_ignored():
 
 
 def test_no_cuda_systems_get_pure_python():
-    forced = choose(manifest(), target(driver_cuda=None, driver_overridden=True), "0.1.0")
+    forced = choose(manifest(), target(driver_cuda=None, driver_override=cuda.DriverOverride(None)), "0.1.0")
     assert forced.pure_python and forced.reason.startswith("CUDELTA_DRIVER_CUDA=cpu")
     mac = choose(manifest(), target(os_name="darwin", machine="arm64", glibc=None, torch_cuda=None,
                                     driver_cuda=None, gpus=()), "0.1.0")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from installer import detect as d
-from installer import driver, interpreter, toolchain, torch_files
+from installer import cuda, driver, interpreter, toolchain, torch_files
 from installer.settings import Settings
 from installer.target import Gpu, TargetEnv
 
@@ -206,7 +206,7 @@ def test_run_probe_sees_the_fake_torch_without_importing_it(venvs):
 def test_detect_with_target_python_override(venvs):
     env = d.detect(Settings(target_python=venvs["target"]), environ=_env())
     assert env.torch_version == "2.14.1+cu130"
-    assert env.torch_cuda == "13.0" and env.torch_cxx11_abi is True and not env.driver_overridden
+    assert env.torch_cuda == "13.0" and env.torch_cxx11_abi is True and env.driver_override is None
     assert env.python_version == tuple(sys.version_info[:2]) and env.implementation == "cpython"
     assert env.executable == str(venvs["target"])
     assert env.source == f"CUDELTA_TARGET_PYTHON {venvs['target']} (child python -I)"
@@ -266,12 +266,12 @@ def test_virtual_env_of_another_python_is_not_used(venvs, tmp_path):
 
 
 def test_driver_override_replaces_the_driver_and_leaves_torch_alone(venvs):
-    env = d.detect(Settings(target_python=venvs["target"], driver_cuda="12.8"), environ=_env())
-    assert env.driver_cuda == (12, 8) and env.driver_overridden
+    env = d.detect(Settings(target_python=venvs["target"], driver_cuda=cuda.DriverOverride((12, 8))), environ=_env())
+    assert env.driver_cuda == (12, 8) and env.driver_override == cuda.DriverOverride((12, 8))
     assert env.torch_cuda == "13.0"  # reported as seen
     assert any("CUDELTA_DRIVER_CUDA" in n for n in env.notes)
-    cpu = d.detect(Settings(target_python=venvs["target"], driver_cuda="cpu"), environ=_env())
-    assert cpu.driver_cuda is None and cpu.driver_overridden
+    cpu = d.detect(Settings(target_python=venvs["target"], driver_cuda=cuda.DriverOverride(None)), environ=_env())
+    assert cpu.driver_cuda is None and cpu.driver_override.cpu
 
 
 def test_broken_override_falls_back_with_a_note(tmp_path):

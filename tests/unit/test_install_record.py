@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from installer import install_record
+from installer import cuda, install_record
 from installer.choose import choose
 from installer.manifest import Asset, Manifest
 from installer.target import Gpu, TargetEnv
@@ -58,7 +58,7 @@ def message(record: dict, machine: Machine):
 
 
 def test_a_prebuilt_record_keeps_the_facts_the_choice_was_made_from_and_every_other_asset():
-    record = prebuilt_record(replace(IMAGE_BUILD, driver_cuda=(12, 8), driver_overridden=True,
+    record = prebuilt_record(replace(IMAGE_BUILD, driver_cuda=(12, 8), driver_override=cuda.DriverOverride((12, 8)),
                                      overridden_driver_seen=None))
     assert record["schema"] == 2 and record["kind"] == "prebuilt"
     assert record["machine"] == {"os": "linux", "arch": "x86_64", "glibc": "2.36", "python": "3.11",
@@ -76,7 +76,7 @@ def test_a_prebuilt_record_keeps_the_facts_the_choice_was_made_from_and_every_ot
 
 
 def test_the_pure_record_says_whether_the_user_or_the_platform_chose_it():
-    by_user = install_record.pure(replace(IMAGE_BUILD, driver_overridden=True), "CUDELTA_DRIVER_CUDA=cpu: ...")
+    by_user = install_record.pure(replace(IMAGE_BUILD, driver_override=cuda.DriverOverride(None)), "CUDELTA_DRIVER_CUDA=cpu: ...")
     assert by_user["pure_because"] == "override" and by_user["machine"]["override"] == "CUDELTA_DRIVER_CUDA=cpu"
     by_platform = install_record.pure(replace(IMAGE_BUILD, os_name="darwin", machine="arm64"), "darwin has no CUDA build")
     assert by_platform["pure_because"] == "platform" and by_platform["machine"]["override"] is None
@@ -107,7 +107,7 @@ def test_a_record_that_is_not_one_names_the_key(change, error):
 
 
 def test_a_pure_wheel_from_a_gpu_less_runner_on_a_cuda_host():
-    record = install_record.pure(replace(IMAGE_BUILD, driver_overridden=True), "CUDELTA_DRIVER_CUDA=cpu: ...")
+    record = install_record.pure(replace(IMAGE_BUILD, driver_override=cuda.DriverOverride(None)), "CUDELTA_DRIVER_CUDA=cpu: ...")
     assert message(record, H100_HOST) == ("stale", (
         "this install was chosen for another machine: the pure-Python wheel (ops run the slow PyTorch reference) "
         "was chosen on a machine with no NVIDIA driver and no GPU (CUDELTA_DRIVER_CUDA=cpu), and this one has "
@@ -117,7 +117,7 @@ def test_a_pure_wheel_from_a_gpu_less_runner_on_a_cuda_host():
 def test_a_pure_wheel_chosen_on_this_very_machine_stands():
     # CUDELTA_DRIVER_CUDA=cpu on the GPU host itself is a choice, not a stale cache.
     host = replace(IMAGE_BUILD, driver_cuda=(13, 0), gpus=(Gpu(0, "H100", 9, 0),))
-    record = install_record.pure(replace(host, driver_cuda=None, driver_overridden=True, overridden_driver_seen=(13, 0)),
+    record = install_record.pure(replace(host, driver_cuda=None, driver_override=cuda.DriverOverride(None), overridden_driver_seen=(13, 0)),
                                  "CUDELTA_DRIVER_CUDA=cpu: ...")
     assert reader.stale(record, H100_HOST) is None
 
@@ -193,7 +193,7 @@ def test_the_loader_s_line_uses_the_reinstall_command_of_the_build_record():
     pytest.importorskip("torch")
     from cudelta import _build_record, _native
 
-    record = install_record.pure(replace(IMAGE_BUILD, driver_overridden=True), "CUDELTA_DRIVER_CUDA=cpu: ...")
+    record = install_record.pure(replace(IMAGE_BUILD, driver_override=cuda.DriverOverride(None)), "CUDELTA_DRIVER_CUDA=cpu: ...")
     line = _native.install_check(record, H100_HOST)
     pip, uv = _build_record.reinstall_commands()
     assert "\n" not in line and line.endswith(

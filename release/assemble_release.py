@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The release fan-in: `python scripts/assemble_release.py --version 0.1.0 --out DIR WHEEL...`
+"""The release fan-in: `python -m release.assemble_release --version 0.1.0 --out DIR WHEEL...`
 
 After every cell's wheel is built and checked:
 
-1. scripts/make_release.py: the wheels, manifest.json, SHA256SUMS and the whl/<cuXYZ>/ indexes;
+1. release/make_release.py: the wheels, manifest.json, SHA256SUMS and the whl/<cuXYZ>/ indexes;
 2. the sdist, built only now, with CUDELTA_RELEASE_MANIFEST=DIR/manifest.json, so that it carries
    that manifest as installer/release_manifest.json (installer/commands.py): the installs verify a
    downloaded wheel against what PyPI served, not against anything the download host says;
@@ -11,9 +11,9 @@ After every cell's wheel is built and checked:
    developer's tree (build/, dist/, *.so), `twine check --strict`;
 4. adds the sdist to SHA256SUMS.
 
-release.yml's fan-in job and scripts/dry_run.py both run this. Options: --python PY builds the
+release.yml's fan-in job and release/dry_run.py both run this. Options: --python PY builds the
 sdist (needs setuptools, wheel and `build`; default this interpreter), --src DIR (default: this
-repository, copied as a checkout would be, by scripts/build_cell.py's rules).
+repository, copied as a checkout would be, by release/build_cell.py's rules).
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
+from installer.manifest import loads_manifest
+from installer.verify import sha256_file
 
-import build_cell  # noqa: E402
-import make_release  # noqa: E402
-from installer.manifest import loads_manifest  # noqa: E402
-from installer.verify import sha256_file  # noqa: E402
+from . import build_cell, make_release
+
+ROOT = Path(__file__).resolve().parent.parent
 
 EMBEDDED = "installer/release_manifest.json"
-FORBIDDEN_IN_SDIST = ("/build/", "/dist/", ".so", ".whl", "/.git/", "__pycache__")
+# Build leftovers, and the release tooling and shell scripts, which never ship (MANIFEST.in grafts
+# installer/, csrc/ and kernels/ only; pyproject.toml packages cudelta/ only).
+FORBIDDEN_IN_SDIST = ("/build/", "/dist/", ".so", ".whl", "/.git/", "__pycache__", "/release/", "/scripts/")
 
 
 class AssembleError(Exception):
@@ -82,7 +81,7 @@ def check_sdist(sdist: Path, manifest: Path, version: str) -> List[str]:
                 problems.append(f"{EMBEDDED} differs from {manifest}")
     stray = [n for n in names if any(bad in f"/{n}" for bad in FORBIDDEN_IN_SDIST)]
     if stray:
-        problems.append(f"build leftovers inside: {', '.join(stray[:5])}")
+        problems.append(f"build leftovers or release tooling inside: {', '.join(stray[:5])}")
     twine = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(sdist)],
                            capture_output=True, text=True)
     if twine.returncode != 0 or "PASSED" not in twine.stdout:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Build one release cell's wheel: `python scripts/build_cell.py --cuda 13.0 --out DIR`.
+"""Build one release cell's wheel: `python -m release.build_cell --cuda 13.0 --out DIR`.
 
 What release.yml's build job runs inside the cell's manylinux_2_28 CUDA image, and what
-scripts/dry_run.py runs here:
+release/dry_run.py runs here:
 
 1. refuse a toolkit mismatch: the nvcc this build would use must be the cell's CUDA version;
 2. refuse a build without the glibc floor (installer/glibc_floor.py needs zig: PyPI `ziglang`);
@@ -15,7 +15,7 @@ scripts/dry_run.py runs here:
    user's torch and driver; the runtime is linked statically anyway). Repair grafting anything at
    all fails the cell.
 
-Prints the wheel's path on the last line. The checks (scripts/check_wheel.py) are a separate step.
+Prints the wheel's path on the last line. The checks (release/check_wheel.py) are a separate step.
 Options: --python PY (the interpreter with torch that builds; default this one), --src DIR (the
 tree to copy; default this repository), --keep-going-without-floor (local experiments only).
 """
@@ -34,11 +34,11 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+from installer.platform_tag import elf_machine
 
-import matrix  # noqa: E402
+from . import matrix
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Never bundled into a release wheel: torch's libraries (from the user's torch), the CUDA driver and
 # runtime (the driver comes with the machine; the runtime is linked statically), NCCL/NVRTC & co.
@@ -137,9 +137,6 @@ def build(cuda: str, out: Path, python: str, src: Path, require_floor: bool = Tr
 
 def check_arch(wheel: Path, arch: str) -> None:
     """The wheel's platform tag must name the CPU its library is for (read from the ELF header)."""
-    sys.path.insert(0, str(ROOT))
-    from installer.platform_tag import elf_machine
-
     with tempfile.TemporaryDirectory(prefix="cudelta-arch-") as tmp, zipfile.ZipFile(wheel) as zf:
         libs = [n for n in zf.namelist() if n.endswith(".so")]
         machines = {elf_machine(Path(zf.extract(n, tmp))) for n in libs}

@@ -21,10 +21,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from wheel_parsers import (GLIBC_SONAMES, LIBRARY, MANYLINUX_LIBS, PACKAGE, PYTHON_FLOOR, SYMBOL_VERSION_LIMITS,
+from .wheel_parsers import (GLIBC_SONAMES, LIBRARY, MANYLINUX_LIBS, PACKAGE, PYTHON_FLOOR, SYMBOL_VERSION_LIMITS,
                            TORCH_LIBS, ToolMissing, auditwheel_verdict, console_script, dist_version, first_line,
                            parse_defined, parse_needed, parse_objdump_versions, parse_unversioned, platform_glibc,
-                           run_tool, symbol_version_check, version_tuple)
+                           TOOL_TIMEOUT_S, symbol_version_check, version_tuple)
+from installer.toolchain import run_process
 
 
 def python_tool(module: str, dist_name: str, script: str) -> list:
@@ -43,7 +44,7 @@ class ToolChecks:
     def check_abi3audit(self):
         cmd = python_tool("abi3audit", "abi3audit", "abi3audit")
         report_path = self.workdir.parent / "abi3audit.json"
-        out = run_tool(cmd + ["--strict", "--report", "--output", str(report_path), str(self.wheel)])
+        out = run_process(cmd + ["--strict", "--report", "--output", str(report_path), str(self.wheel)], timeout=TOOL_TIMEOUT_S)
         problems = []
         results = []
         if out.returncode != 0:
@@ -78,7 +79,7 @@ class ToolChecks:
         cmd = console_script("torch-abi-audit", "torch-abi-audit")
         if cmd is None:
             raise ToolMissing("torch-abi-audit not installed: pip install torch-abi-audit")
-        out = run_tool(cmd + ["--json", "--check", "both", str(self.workdir / PACKAGE)])
+        out = run_process(cmd + ["--json", "--check", "both", str(self.workdir / PACKAGE)], timeout=TOOL_TIMEOUT_S)
         problems = []
         libs: list[dict] = []
         if out.returncode != 0:
@@ -122,7 +123,7 @@ class ToolChecks:
 
     def check_auditwheel(self):
         cmd = python_tool("auditwheel", "auditwheel", "auditwheel")
-        out = run_tool(cmd + ["show", "--json", str(self.wheel)])
+        out = run_process(cmd + ["show", "--json", str(self.wheel)], timeout=TOOL_TIMEOUT_S)
         claimed = self.name["platform"]
         try:
             report = json.loads(out.stdout)
@@ -136,7 +137,7 @@ class ToolChecks:
 
     def check_twine(self):
         cmd = python_tool("twine", "twine", "twine")
-        out = run_tool(cmd + ["check", "--strict", str(self.wheel)])
+        out = run_process(cmd + ["check", "--strict", str(self.wheel)], timeout=TOOL_TIMEOUT_S)
         ok = out.returncode == 0 and "PASSED" in out.stdout
         text = " ".join((out.stdout + out.stderr).split())
         detail = (f"twine {dist_version('twine')} check --strict: PASSED" if ok
@@ -216,7 +217,7 @@ def host_glibc_symbols() -> set:
     global _HOST_GLIBC
     if _HOST_GLIBC is None:
         try:
-            listing = run_tool(["ldconfig", "-p"], timeout=30).stdout
+            listing = run_process(["ldconfig", "-p"], timeout=30).stdout
         except OSError:
             listing = ""
         paths: dict = {}
@@ -226,7 +227,7 @@ def host_glibc_symbols() -> set:
         exe = shutil.which("objdump")
         symbols: set = set()
         for path in paths.values() if exe else ():
-            symbols |= parse_defined(run_tool([exe, "-T", path], timeout=60).stdout)
+            symbols |= parse_defined(run_process([exe, "-T", path], timeout=60).stdout)
         _HOST_GLIBC = symbols
     return _HOST_GLIBC
 

@@ -1,4 +1,4 @@
-"""The pure parts of the wheel checks (scripts/check_wheel.py): constants, tool-output parsers,
+"""The pure parts of the wheel checks (release/check_wheel.py): constants, tool-output parsers,
 ELF and RECORD readers, and how the external tools are found and run. No check lives here.
 
 Tested on sample tool output by tests/unit/test_check_wheel.py (through check_wheel, which
@@ -16,19 +16,15 @@ import os
 import re
 import shutil
 import struct
-import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from installer import build_record, cuda, native, platform_tag, shipped
 
-from installer import build_record, cuda, native, platform_tag  # noqa: E402  (stdlib only: archs, floor, ELF, record)
-from matrix import ARCHS  # noqa: E402  (scripts/: the release's CPU arches)
+from .matrix import ARCHS
 
 PACKAGE = "cudelta"
 LIBRARY = "cudelta/_C.abi3.so"
@@ -39,7 +35,10 @@ BUILD_INFO = "cudelta/_build_info.json"
 EXPECTED_TAG = f"{native.PY_LIMITED_API_TAG}-abi3-{platform_tag.release_platform('x86_64')}"
 EXPECTED_TAG_RE = re.compile(rf"^{native.PY_LIMITED_API_TAG}-abi3-("
                              + "|".join(re.escape(platform_tag.release_platform(arch)) for arch in ARCHS) + ")$")
-PYTHON_FLOOR = build_record.PYTHON_FLOOR
+# An auditor on a fat binary takes minutes on a slow runner; the installer's probes take seconds.
+TOOL_TIMEOUT_S = 300
+POLICY = shipped.load("_release_policy")  # release archs and floors
+PYTHON_FLOOR = POLICY.PYTHON_FLOOR
 
 # auditwheel's manylinux_2_28 x86_64 policy (src/auditwheel/policy/manylinux-policy.json): the newest
 # symbol version of each versioned system library a manylinux_2_28 wheel may require.
@@ -87,11 +86,6 @@ def parse_wheel_filename(filename: str) -> dict:
     if not m:
         raise ValueError(f"{filename!r} is not a wheel filename (name-version-python-abi-platform.whl)")
     return m.groupdict()
-
-
-def cuda_label(toolkit: str) -> str:
-    """'13.0' -> 'cu130': the local version label and the build record's cuda_label."""
-    return cuda.label_of(toolkit)
 
 
 def elf_listing_name(cubin: str) -> str:
@@ -385,10 +379,6 @@ def dist_version(dist_name: str) -> Optional[str]:
         return importlib.metadata.version(dist_name)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def run_tool(cmd: Sequence[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
 
 
 def first_line(text: str) -> str:

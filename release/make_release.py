@@ -1,6 +1,6 @@
 """Assemble the assets of one release from the wheels the release matrix built.
 
-    python scripts/make_release.py --version 0.1.0 --out DIR WHEEL...
+    python -m release.make_release --version 0.1.0 --out DIR WHEEL...
 
 writes into DIR (new or empty):
 
@@ -41,18 +41,16 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import quote
 
-if __name__ == "__main__":  # run as a script: the installer package lives in the source tree
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from installer import build_record, cuda
+from installer import build_record, cuda, shipped
 from installer.errors import InstallerError
 from installer.manifest import Asset, Manifest, asset_to_dict, parse_asset, parse_manifest
 from installer.verify import sha256_file
 
 PROJECT = "cudelta"
+POLICY = shipped.load("_release_policy")
 BUILD_INFO = f"cudelta/{build_record.FILENAME}"
 MANIFEST_NAME = "manifest.json"
 SUMS_NAME = "SHA256SUMS"
@@ -215,7 +213,7 @@ def make_asset(name: str, size: int, sha256: str, build_info: Mapping[str, Any])
         ptx=tuple(build_info.get("ptx") or ()),
         torch_floor=str(build_info.get("torch_floor")),
         python_floor=str(build_info.get("python_floor")),
-        driver_floor=cuda.format_version((cuda.parse_version(toolkit)[0], 0)),
+        driver_floor=cuda.format_version(POLICY.driver_floor(toolkit)),
     )
     try:
         return parse_asset(asset_to_dict(asset), where=name)
