@@ -24,12 +24,12 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import urlparse, urlunparse
+from urllib.parse import urlparse
 
 from requests.adapters import HTTPAdapter
 
 from .settings import Settings
-from .urls import is_loopback
+from .urls import display_url, is_loopback
 
 # The order a CA file is taken in: the first one set wins (see the module docstring).
 CA_VARIABLES = ("PIP_CERT", "REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE", "SSL_CERT_FILE")
@@ -46,7 +46,7 @@ class Proxy:
 
     @property
     def shown(self) -> str:
-        return display_proxy(self.url)
+        return display_url(self.url)  # without its user:password
 
 
 @dataclass(frozen=True)
@@ -169,17 +169,6 @@ def bypasses(host: str, port: Optional[int], no_proxy: tuple[str, ...]) -> bool:
         if host == name or host.endswith("." + name):
             return True
     return False
-
-
-def display_proxy(url: str) -> str:
-    """A proxy URL without its user:password."""
-    parsed = urlparse(url)
-    host = parsed.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if parsed.port:
-        host += f":{parsed.port}"
-    return urlunparse((parsed.scheme, host, parsed.path, "", "", ""))
 
 
 def ssl_context(trust: Trust) -> ssl.SSLContext:
