@@ -31,26 +31,10 @@ from installer.fetch import LOCK_NAME, LOCK_OWNER_NAME, PARTIAL_PREFIX, Fetcher
 from installer.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_make_release beside this file
-from test_make_release import load_module  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_fetch_faults beside this file
 
-ReleaseServer = load_module("release_server", ROOT / "tests" / "e2e" / "release_server.py").ReleaseServer
-
-TAG = "v0.1.0"
-NAME = "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
-DATA = hashlib.sha256(b"seed").digest() * (300_000 // 32)  # random-looking, like a compressed wheel
-SHA = hashlib.sha256(DATA).hexdigest()
-SIZE = len(DATA)
-
-
-@pytest.fixture
-def server(tmp_path):
-    release = tmp_path / "release"
-    release.mkdir()
-    (release / NAME).write_bytes(DATA)
-    with ReleaseServer(tmp_path / "srv-root") as srv:
-        srv.add_release(TAG, release)
-        yield srv
+# The release server, the asset and its fixture are test_fetch_faults' (one source for both files).
+from test_fetch_faults import DATA, NAME, SHA, SIZE, TAG, server  # noqa: E402,F401  (server: a fixture)
 
 
 def make_fetcher(cache_dir: Path, logs, **kw) -> Fetcher:
