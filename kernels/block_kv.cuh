@@ -231,14 +231,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) decode_kv_kernel(const GdnDe
 template <int K, typename ST>
 int launch_kv_block(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_kv_kernel<K, ST, true> : decode_kv_kernel<K, ST, false>;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.N * p.HV * (p.V / kTileV)));
-  cfg.blockDim = dim3(kBlockThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  cfg.attrs = attr;
-  cfg.numAttrs = add_pdl(p, attr, 0);
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+  return launch_decode(kernel, dim3(static_cast<unsigned>(p.N * p.HV * (p.V / kTileV))), dim3(kBlockThreads), p,
+                       stream);
 }
 
 }  // namespace

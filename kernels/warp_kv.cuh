@@ -203,15 +203,9 @@ template <int K, typename ST, int CPR, int WPB = 1, bool STREAM = false>
 int launch_kv_warp_cols(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_kv_warp_kernel<K, ST, CPR, true, WPB, STREAM>
                                 : decode_kv_warp_kernel<K, ST, CPR, false, WPB, STREAM>;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.V / (KvWarpShape<K, ST, CPR>::BW * WPB)), static_cast<unsigned>(p.HV),
-                     static_cast<unsigned>(p.N));
-  cfg.blockDim = dim3(32 * WPB);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  cfg.attrs = attr;
-  cfg.numAttrs = add_pdl(p, attr, 0);
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+  const dim3 grid(static_cast<unsigned>(p.V / (KvWarpShape<K, ST, CPR>::BW * WPB)), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>(p.N));
+  return launch_decode(kernel, grid, dim3(32 * WPB), p, stream);
 }
 
 }  // namespace

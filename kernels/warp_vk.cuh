@@ -246,16 +246,10 @@ int launch_vk_warp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
     const int64_t wave = int64_t(per_sm > 0 ? per_sm : 1) * (p.sm_count > 0 ? p.sm_count : 1);
     grid = grid < wave ? grid : wave;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = PERSIST ? dim3(static_cast<unsigned>(grid))
-                        : dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV),
-                               static_cast<unsigned>(p.N));
-  cfg.blockDim = dim3(32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  cfg.attrs = attr;
-  cfg.numAttrs = add_pdl(p, attr, 0);
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+  const dim3 blocks = PERSIST ? dim3(static_cast<unsigned>(grid))
+                              : dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV),
+                                     static_cast<unsigned>(p.N));
+  return launch_decode(kernel, blocks, dim3(32), p, stream);
 }
 
 }  // namespace

@@ -34,5 +34,19 @@ inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int
   return static_cast<unsigned>(n);
 }
 
+// Launches `kernel(p)` with the programmatic-dependent-launch attribute where the params ask for
+// it; every decode launch goes through here. Returns the cudaError_t as an int.
+template <typename Kernel>
+int launch_decode(Kernel kernel, dim3 grid, dim3 block, const GdnDecodeParams& p, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  cfg.numAttrs = add_pdl(p, attr, 0);
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
 }  // namespace
 }  // namespace cudelta
