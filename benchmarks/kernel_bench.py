@@ -112,6 +112,8 @@ def max_diff(fn_a, fn_b, pool, idx, out) -> tuple[float, float]:
 
 def bench_row(op, shape, state_dtype, layout, gates, B, variants, peers, eager: bool) -> dict:
     import cudelta
+    from cudelta._call import DecodeCall
+    from cudelta.ops import run_kernel
 
     H, HV = SHAPES[shape]
     dev = "cuda"
@@ -145,20 +147,23 @@ def bench_row(op, shape, state_dtype, layout, gates, B, variants, peers, eager: 
     row["copy"] = graph_us(lambda i: dst[i].copy_(src[i]), sets)
 
     if gates == "raw":
-        gargs = (None, None, a, b, A_log, dt_bias)
+        gargs = dict(g=None, beta=None, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     else:
-        gargs = (g, beta, None, None, None, None)
-    lay = 0 if layout == "kv" else 1
-    native = torch.ops.cudelta.kda_decode if op == "kda" else torch.ops.cudelta.gdn_decode
+        gargs = dict(g=g, beta=beta)
+
+    def native(st, slots, vid):  # the op itself, a variant forced (cudelta.ops.run_kernel)
+        run_kernel(DecodeCall(op, q, k, v, state=st, idx=slots, use_qk_l2norm=True, layout=layout,
+                              invalid_slot="nonpositive", **gargs), out, vid)
+
     for name, vid in variants.items():
-        fn = lambda i, vid=vid: native(q, k, v, *gargs, pool, idx[i], out, K ** -0.5, True, lay, 1, vid)
+        fn = lambda i, vid=vid: native(pool, idx[i], vid)
         row[name] = graph_us(fn, sets)
     # The same steps on vLLM's page layout (MambaBase.bind_kv_cache: conv state, this state, padding
     # in each slot's page; tests/gpu/test_strided_pool_gpu.py), auto only: what an engine's own pool costs.
     pages = torch.empty(P, 4096 + state_bytes + 528, device=dev, dtype=torch.int8)
     padded = pages[:, 4096:4096 + state_bytes].view(state_dtype).view(P, *shape4[1:])
     padded.copy_(pool)
-    fn = lambda i: native(q, k, v, *gargs, padded, idx[i], out, K ** -0.5, True, lay, 1, -1)
+    fn = lambda i: native(padded, idx[i], -1)
     row["auto padded"] = graph_us(fn, sets)
     kw = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias) if gates == "raw" else {}
     gg, bb = (None, None) if gates == "raw" else (g, beta)

@@ -1,8 +1,8 @@
 // cudelta's torch ops, registered through the LibTorch stable ABI only, so one library serves
 // every torch from the floor set by TORCH_TARGET_VERSION upwards.
 //
-//   cudelta::gdn_decode      one Gated DeltaNet decode step, state pool updated in place
-//   cudelta::kda_decode      the same with Kimi Delta Attention's per-channel decay
+//   cudelta::decode          one decode call, Gated DeltaNet or (per_channel) Kimi Delta Attention:
+//                            each request's tokens in order, the state pool updated in place
 //   cudelta::select_variant  the kernel variant that runs on a device for a batch (auto or forced)
 //   cudelta::probe           what the driver loaded on a device: __CUDA_ARCH__, feature flags, and
 //                            the variant auto picks for large batches
@@ -18,7 +18,6 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -140,32 +139,19 @@ bool aligned16(const Tensor& t) {
          (t.stride(1) * es) % 16 == 0;
 }
 
-// CUDELTA_PDL=0 turns programmatic dependent launch off (read once; default on where the image
-// is sm_90+), to time the kernels without it.
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("CUDELTA_PDL");
-    const std::string s = v == nullptr ? "" : v;
-    CUDELTA_CHECK(s.empty() || s == "0" || s == "1", "cudelta: CUDELTA_PDL=", s,
-                  " is not accepted; accepted: 0 (off), 1 (on, the default)");
-    return s != "0";
-  }();
-  return on;
-}
-
 bool head_dim_ok(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
-// A per-request tensor of the gates: [N, HV] or [N, HV, K], innermost contiguous (a view sliced
-// out of a wider projection is fine).
+// A per-row tensor of the gates: [N, HV] or [N, HV, K] (rows: requests, or tokens with several a
+// request), innermost contiguous (a view sliced out of a wider projection is fine).
 void check_gate(const char* op, const Tensor& t, const char* name, int64_t N, int64_t HV, int64_t K,
-                bool per_channel) {
+                bool per_channel, const char* rows) {
   const bool shape_ok = per_channel ? (t.dim() == 3 && t.size(0) == N && t.size(1) == HV && t.size(2) == K)
                                     : (t.dim() == 2 && t.size(0) == N && t.size(1) == HV);
   if (per_channel) {
-    CUDELTA_CHECK(shape_ok, op, ": ", name, " must be per-channel [N, HV, K] = [", N, ", ", HV, ", ", K,
+    CUDELTA_CHECK(shape_ok, op, ": ", name, " must be per-channel [", rows, ", HV, K] = [", N, ", ", HV, ", ", K,
                     "], got ", shape_of(t));
   } else {
-    CUDELTA_CHECK(shape_ok, op, ": ", name, " must be [N, HV] = [", N, ", ", HV, "], got ", shape_of(t),
+    CUDELTA_CHECK(shape_ok, op, ": ", name, " must be [", rows, ", HV] = [", N, ", ", HV, "], got ", shape_of(t),
                     t.dim() == 3 ? " (per-channel gates are kda_decode)" : "");
   }
   CUDELTA_CHECK(t.stride(t.dim() - 1) == 1 || t.size(t.dim() - 1) == 1, op, ": the last dim of ", name,
@@ -210,26 +196,67 @@ int64_t check_pool(const char* op, const Tensor& state, bool vk) {
   return stride;
 }
 
-void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
-            const std::optional<Tensor>& beta, const std::optional<Tensor>& a, const std::optional<Tensor>& b,
-            const std::optional<Tensor>& A_log, const std::optional<Tensor>& dt_bias, const Tensor& state,
-            const Tensor& idx, const Tensor& out, double scale, bool use_qk_l2norm, int64_t layout, int64_t min_slot,
-            int64_t variant, bool per_channel) {
+// One decode call's arguments as the op receives them, checked and turned into the kernels'
+// parameters by decode() alone; the registered op only gathers them.
+struct DecodeArgs {
+  Tensor q, k, v;
+  std::optional<Tensor> g, beta, a, b, A_log, dt_bias;
+  Tensor state, idx, out;
+  std::optional<Tensor> cu_seqlens, num_accepted_tokens, output_gate, norm_weight;
+  double scale, norm_eps;
+  bool per_channel, use_qk_l2norm;
+  int64_t layout, min_slot, tokens, gate_activation, variant;
+  bool pdl;
+};
+
+// An index tensor: int32 or int64, contiguous, of the given shape.
+void check_index(const char* op, const Tensor& t, const char* name, const std::vector<int64_t>& shape,
+                 const char* what) {
+  bool ok = (t.scalar_type() == ScalarType::Int || t.scalar_type() == ScalarType::Long) && t.is_contiguous() &&
+            t.dim() == static_cast<int64_t>(shape.size());
+  for (size_t d = 0; ok && d < shape.size(); ++d) ok = shape[d] < 0 || t.size(d) == shape[d];
+  std::string want = "[";
+  for (size_t d = 0; d < shape.size(); ++d)
+    want += (d ? ", " : "") + (shape[d] < 0 ? std::string("C") : std::to_string(shape[d]));
+  CUDELTA_CHECK(ok, op, ": ", name, " must be a contiguous int32/int64 ", want + "]", " tensor (", what, "), got ",
+                dtype_name(t.scalar_type()), " ", shape_of(t));
+}
+
+void decode(const DecodeArgs& x) {
+  const char* op = "cudelta.decode";
+  const Tensor &q = x.q, &k = x.k, &v = x.v, &state = x.state, &idx = x.idx, &out = x.out;
   CUDELTA_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor");
   const int device = q.get_device_index();
   for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {v, "v"}, {state, "state"}, {idx, "idx"},
                          {out, "out"}}) {
     check_cuda(op, t, name, device);
   }
-  for (auto [t, name] : {std::pair<const std::optional<Tensor>&, const char*>{g, "g"}, {beta, "beta"}, {a, "a"},
-                         {b, "b"}, {A_log, "A_log"}, {dt_bias, "dt_bias"}}) {
+  for (auto [t, name] : {std::pair<const std::optional<Tensor>&, const char*>{x.g, "g"}, {x.beta, "beta"},
+                         {x.a, "a"}, {x.b, "b"}, {x.A_log, "A_log"}, {x.dt_bias, "dt_bias"},
+                         {x.cu_seqlens, "cu_seqlens"}, {x.num_accepted_tokens, "num_accepted_tokens"},
+                         {x.output_gate, "output_gate"}, {x.norm_weight, "norm_weight"}}) {
     if (t.has_value()) check_cuda(op, *t, name, device);
   }
-  CUDELTA_CHECK(q.dim() == 3, op, ": q must be [N, H, K], got shape ", shape_of(q));
-  const int64_t N = q.size(0), H = q.size(1), K = q.size(2);
-  CUDELTA_CHECK(k.dim() == 3 && k.size(0) == N && k.size(1) == H && k.size(2) == K,
+  // Rows: one per request, or, with several tokens a request, one per token (cu_seqlens or
+  // `tokens` per request); N, the requests, from cu_seqlens or from the rows.
+  CUDELTA_CHECK(q.dim() == 3, op, ": q must be [rows, H, K], got shape ", shape_of(q));
+  const int64_t L = q.size(0), H = q.size(1), K = q.size(2);
+  CUDELTA_CHECK(x.tokens >= 1, op, ": tokens per request must be >= 1, got ", x.tokens);
+  const bool varlen = x.cu_seqlens.has_value();
+  CUDELTA_CHECK(!varlen || x.tokens == 1, op, ": with cu_seqlens pass tokens=1 (got ", x.tokens, ")");
+  CUDELTA_CHECK(varlen || L % x.tokens == 0, op, ": q's ", L, " rows are not a whole number of requests of ",
+                x.tokens, " tokens");
+  if (varlen) {
+    CUDELTA_CHECK(x.cu_seqlens->dim() == 1 && x.cu_seqlens->size(0) >= 1, op,
+                  ": cu_seqlens must be [N+1], got ", shape_of(*x.cu_seqlens));
+    check_index(op, *x.cu_seqlens, "cu_seqlens", {x.cu_seqlens->size(0)}, "token offsets [N+1]");
+  }
+  const int64_t N = varlen ? x.cu_seqlens->size(0) - 1 : L / x.tokens;
+  const bool multi = varlen || x.tokens > 1 || idx.dim() == 2 || x.output_gate.has_value();
+  const char* rows = multi ? "tokens" : "N";
+  CUDELTA_CHECK(k.dim() == 3 && k.size(0) == L && k.size(1) == H && k.size(2) == K,
                   op, ": k must have q's shape ", shape_of(q), ", got ", shape_of(k));
-  CUDELTA_CHECK(v.dim() == 3 && v.size(0) == N, op, ": v must be [N, HV, V] with N=", N, ", got ",
+  CUDELTA_CHECK(v.dim() == 3 && v.size(0) == L, op, ": v must be [", rows, ", HV, V] with ", rows, "=", L, ", got ",
                   shape_of(v));
   const int64_t HV = v.size(1), V = v.size(2);
   CUDELTA_CHECK(H > 0 && HV % H == 0, op, ": v's head count HV=", HV,
@@ -244,25 +271,26 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   CUDELTA_CHECK(head_dim_ok(V), op, ": head dim V=", V, " is not supported; accepted: 64, 128, 256");
 
   // Gates: exactly one of g and the raw (a, A_log, dt_bias); exactly one of beta and b.
-  CUDELTA_CHECK(g.has_value() != a.has_value(), op, ": pass either g or the raw gate a (with A_log, dt_bias)",
-                  g.has_value() ? ", not both" : "");
-  CUDELTA_CHECK(beta.has_value() != b.has_value(), op, ": pass exactly one of beta and the raw b");
-  const bool gate_raw = a.has_value();
-  const Tensor& gate = gate_raw ? *a : *g;
-  check_gate(op, gate, gate_raw ? "a" : "g", N, HV, K, per_channel);
+  CUDELTA_CHECK(x.g.has_value() != x.a.has_value(), op, ": pass either g or the raw gate a (with A_log, dt_bias)",
+                  x.g.has_value() ? ", not both" : "");
+  CUDELTA_CHECK(x.beta.has_value() != x.b.has_value(), op, ": pass exactly one of beta and the raw b");
+  const bool gate_raw = x.a.has_value();
+  const Tensor& gate = gate_raw ? *x.a : *x.g;
+  check_gate(op, gate, gate_raw ? "a" : "g", L, HV, K, x.per_channel, rows);
   if (gate_raw) {
-    CUDELTA_CHECK(A_log.has_value() && dt_bias.has_value(), op, ": the raw gate a needs A_log and dt_bias");
-    check_param(op, *A_log, "A_log", HV, K, false);
-    check_param(op, *dt_bias, "dt_bias", HV, K, per_channel);
+    CUDELTA_CHECK(x.A_log.has_value() && x.dt_bias.has_value(), op, ": the raw gate a needs A_log and dt_bias");
+    check_param(op, *x.A_log, "A_log", HV, K, false);
+    check_param(op, *x.dt_bias, "dt_bias", HV, K, x.per_channel);
   } else {
-    CUDELTA_CHECK(!A_log.has_value() && !dt_bias.has_value(), op,
+    CUDELTA_CHECK(!x.A_log.has_value() && !x.dt_bias.has_value(), op,
                     ": A_log and dt_bias belong to the raw gate a; with g pass neither");
   }
-  const Tensor& bt = beta.has_value() ? *beta : *b;
-  check_gate(op, bt, beta.has_value() ? "beta" : "b", N, HV, K, false);
+  const Tensor& bt = x.beta.has_value() ? *x.beta : *x.b;
+  check_gate(op, bt, x.beta.has_value() ? "beta" : "b", L, HV, K, false, rows);
 
-  CUDELTA_CHECK(layout == 0 || layout == 1, op, ": layout ", layout, " does not exist; accepted: 0 (kv), 1 (vk)");
-  const bool vk = layout == 1;
+  CUDELTA_CHECK(x.layout == 0 || x.layout == 1, op, ": layout ", x.layout,
+                " does not exist; accepted: 0 (kv), 1 (vk)");
+  const bool vk = x.layout == 1;
   CUDELTA_CHECK(state.scalar_type() == ScalarType::Float || state.scalar_type() == ScalarType::BFloat16, op,
                   ": state has dtype ", dtype_name(state.scalar_type()), "; accepted: float32, bfloat16");
   const int64_t d2 = vk ? V : K, d3 = vk ? K : V;
@@ -270,21 +298,50 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
                   ": state must be [P, HV, ", vk ? "V, K" : "K, V", "] = [P, ", HV, ", ", d2, ", ", d3,
                   "] for layout ", vk ? "vk" : "kv", ", got ", shape_of(state));
   const int64_t slot_stride = check_pool(op, state, vk);
-  CUDELTA_CHECK(idx.scalar_type() == ScalarType::Int || idx.scalar_type() == ScalarType::Long,
-                  op, ": idx must be int32 or int64, got ", dtype_name(idx.scalar_type()));
-  CUDELTA_CHECK(idx.dim() == 1 && idx.size(0) == N && idx.is_contiguous(),
-                  op, ": idx must be a contiguous [N] = [", N, "] tensor, got ", shape_of(idx));
-  CUDELTA_CHECK(min_slot == 0 || min_slot == 1, op, ": min_slot ", min_slot,
+
+  // Slots: idx [N], or [N, C] with a checkpoint per token (C >= the tokens of a request).
+  if (idx.dim() == 2) {
+    check_index(op, idx, "idx", {N, -1}, "a slot per token");
+    CUDELTA_CHECK(idx.size(1) >= 1 && (varlen || idx.size(1) >= x.tokens), op, ": idx [N, C] needs a column for each of ",
+                  "the ", x.tokens, " tokens of a request, got ", shape_of(idx));
+  } else {
+    check_index(op, idx, "idx", {N}, "a slot per request");
+  }
+  if (x.num_accepted_tokens.has_value()) {
+    CUDELTA_CHECK(idx.dim() == 2, op, ": num_accepted_tokens picks the starting slot among idx[n, :]: idx must be ",
+                  "[N, C], got ", shape_of(idx));
+    check_index(op, *x.num_accepted_tokens, "num_accepted_tokens", {N}, "accepted tokens per request");
+  }
+  CUDELTA_CHECK(x.min_slot == 0 || x.min_slot == 1, op, ": min_slot ", x.min_slot,
                   " is not accepted; accepted: 0 (invalid_slot='negative'), 1 ('nonpositive')");
   CUDELTA_CHECK(out.scalar_type() == v.scalar_type(), op, ": out must have v's dtype ",
                   dtype_name(v.scalar_type()), ", got ", dtype_name(out.scalar_type()));
-  CUDELTA_CHECK(out.dim() == 3 && out.size(0) == N && out.size(1) == HV && out.size(2) == V &&
+  CUDELTA_CHECK(out.dim() == 3 && out.size(0) == L && out.size(1) == HV && out.size(2) == V &&
                       out.stride(2) == 1,
-                  op, ": out must be [N, HV, V] = [", N, ", ", HV, ", ", V,
+                  op, ": out must be [", rows, ", HV, V] = [", L, ", ", HV, ", ", V,
                   "] with a contiguous last dim, got ", shape_of(out));
 
+  // The epilogue: output_gate z (out's shape) with norm_weight [V]; the activation 1 (silu) or 2.
+  CUDELTA_CHECK(x.output_gate.has_value() == x.norm_weight.has_value(), op,
+                ": the gated RMSNorm epilogue needs both output_gate and norm_weight");
+  CUDELTA_CHECK(x.output_gate.has_value() ? (x.gate_activation == 1 || x.gate_activation == 2) : x.gate_activation == 0,
+                op, ": gate_activation ", x.gate_activation, " is not accepted; accepted: ",
+                x.output_gate.has_value() ? "1 (silu), 2 (sigmoid)" : "0 without an output gate");
+  if (x.output_gate.has_value()) {
+    const Tensor& z = *x.output_gate;
+    CUDELTA_CHECK(z.dim() == 3 && z.size(0) == L && z.size(1) == HV && z.size(2) == V && z.stride(2) == 1, op,
+                  ": output_gate must be [", rows, ", HV, V] = [", L, ", ", HV, ", ", V,
+                  "] with a contiguous last dim, got ", shape_of(z));
+    float_dtype(op, "output_gate", z.scalar_type());
+    const Tensor& w = *x.norm_weight;
+    CUDELTA_CHECK(w.dim() == 1 && w.size(0) == V && w.is_contiguous(), op, ": norm_weight must be a contiguous [V] = [",
+                  V, "], got ", shape_of(w));
+    float_dtype(op, "norm_weight", w.scalar_type());
+    CUDELTA_CHECK(x.norm_eps >= 0, op, ": norm_eps must be >= 0, got ", x.norm_eps);
+  }
+
   ImageInfo info{};
-  const Variant chosen = select(device, variant, N * HV, &info, vk);
+  const Variant chosen = select(device, x.variant, N * HV, &info, vk);
 
   GdnDecodeParams p{};
   p.q = q.data_ptr();
@@ -303,25 +360,25 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   p.g_stride_n = gate.stride(0);
   p.g_stride_h = gate.stride(1);
   p.gate_raw = gate_raw;
-  p.g_per_channel = per_channel;
+  p.g_per_channel = x.per_channel;
   if (gate_raw) {
-    p.A_log = A_log->data_ptr();
-    p.A_log_dtype = float_dtype(op, "A_log", A_log->scalar_type());
-    p.dt_bias = dt_bias->data_ptr();
-    p.dt_bias_dtype = float_dtype(op, "dt_bias", dt_bias->scalar_type());
+    p.A_log = x.A_log->data_ptr();
+    p.A_log_dtype = float_dtype(op, "A_log", x.A_log->scalar_type());
+    p.dt_bias = x.dt_bias->data_ptr();
+    p.dt_bias_dtype = float_dtype(op, "dt_bias", x.dt_bias->scalar_type());
   }
   p.beta = bt.data_ptr();
   p.beta_dtype = float_dtype(op, "beta", bt.scalar_type());
   p.beta_stride_n = bt.stride(0);
   p.beta_stride_h = bt.stride(1);
-  p.beta_raw = !beta.has_value();
+  p.beta_raw = !x.beta.has_value();
   p.state = state.data_ptr();
   p.state_dtype = state.scalar_type() == ScalarType::Float ? DType::kFloat32 : DType::kBFloat16;
   p.state_vk = vk;
   p.state_stride_p = slot_stride;
   p.idx = idx.data_ptr();
   p.idx_is_int64 = idx.scalar_type() == ScalarType::Long;
-  p.min_slot = min_slot;
+  p.min_slot = x.min_slot;
   p.out = out.data_ptr();
   p.out_stride_n = out.stride(0);
   p.out_stride_h = out.stride(1);
@@ -331,11 +388,32 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   p.K = K;
   p.V = V;
   p.P = state.size(0);
-  p.scale = static_cast<float>(scale);
-  p.use_qk_l2norm = use_qk_l2norm;
+  p.scale = static_cast<float>(x.scale);
+  p.use_qk_l2norm = x.use_qk_l2norm;
   p.device = device;
   p.sm_count = info.sm_count;
-  p.pdl = pdl_enabled() && info.cuda_arch >= 900;
+  p.pdl = x.pdl && info.cuda_arch >= 900;
+  p.tokens = x.tokens;
+  p.L = L;
+  if (varlen) {
+    p.cu_seqlens = x.cu_seqlens->data_ptr();
+    p.cu_is_int64 = x.cu_seqlens->scalar_type() == ScalarType::Long;
+  }
+  p.idx_columns = idx.dim() == 2 ? idx.size(1) : 0;
+  if (x.num_accepted_tokens.has_value()) {
+    p.accepted = x.num_accepted_tokens->data_ptr();
+    p.accepted_is_int64 = x.num_accepted_tokens->scalar_type() == ScalarType::Long;
+  }
+  if (x.output_gate.has_value()) {
+    p.gate_activation = static_cast<int>(x.gate_activation);
+    p.z = x.output_gate->data_ptr();
+    p.z_dtype = float_dtype(op, "output_gate", x.output_gate->scalar_type());
+    p.z_stride_n = x.output_gate->stride(0);
+    p.z_stride_h = x.output_gate->stride(1);
+    p.norm_weight = x.norm_weight->data_ptr();
+    p.norm_weight_dtype = float_dtype(op, "norm_weight", x.norm_weight->scalar_type());
+    p.norm_eps = static_cast<float>(x.norm_eps);
+  }
 
   torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;
@@ -344,20 +422,16 @@ void decode(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, c
   CUDELTA_CHECK(err == 0, op, ": kernel launch failed: ", cuda_error_string(err));
 }
 
-void gdn_decode(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optional<Tensor> beta,
-                std::optional<Tensor> a, std::optional<Tensor> b, std::optional<Tensor> A_log,
-                std::optional<Tensor> dt_bias, Tensor state, Tensor idx, Tensor out, double scale, bool use_qk_l2norm,
-                int64_t layout, int64_t min_slot, int64_t variant) {
-  decode("cudelta.gdn_decode", q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, layout,
-         min_slot, variant, false);
-}
-
-void kda_decode(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optional<Tensor> beta,
-                std::optional<Tensor> a, std::optional<Tensor> b, std::optional<Tensor> A_log,
-                std::optional<Tensor> dt_bias, Tensor state, Tensor idx, Tensor out, double scale, bool use_qk_l2norm,
-                int64_t layout, int64_t min_slot, int64_t variant) {
-  decode("cudelta.kda_decode", q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, layout,
-         min_slot, variant, true);
+// The registered op: its arguments gathered into one DecodeArgs, in the schema's order.
+void decode_op(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optional<Tensor> beta,
+               std::optional<Tensor> a, std::optional<Tensor> b, std::optional<Tensor> A_log,
+               std::optional<Tensor> dt_bias, Tensor state, Tensor idx, Tensor out, std::optional<Tensor> cu_seqlens,
+               std::optional<Tensor> num_accepted_tokens, std::optional<Tensor> output_gate,
+               std::optional<Tensor> norm_weight, double scale, double norm_eps, bool per_channel, bool use_qk_l2norm,
+               int64_t layout, int64_t min_slot, int64_t tokens, int64_t gate_activation, int64_t variant, bool pdl) {
+  decode(DecodeArgs{q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, cu_seqlens, num_accepted_tokens,
+                    output_gate, norm_weight, scale, norm_eps, per_channel, use_qk_l2norm, layout, min_slot, tokens,
+                    gate_activation, variant, pdl});
 }
 
 int64_t select_variant(int64_t device, int64_t requested, int64_t heads) {
@@ -392,17 +466,18 @@ std::string variants() {
 }  // namespace cudelta
 
 STABLE_TORCH_LIBRARY(cudelta, m) {
-  // One schema for both ops. Gates: g or the raw a (with A_log, dt_bias); beta or the raw b.
-  // layout 0 = "kv" [P, HV, K, V], 1 = "vk" [P, HV, V, K]; min_slot 0 or 1 (slot 0 a null block);
-  // variant -1 = auto. The output goes to `out` (engines preallocate it; the Python API does too).
+  // Gates: g or the raw a (with A_log, dt_bias); beta or the raw b; per_channel: KDA's decay.
+  // layout 0 = "kv" [P, HV, K, V], 1 = "vk" [P, HV, V, K]; min_slot 0 or 1 (slot 0 a null block).
+  // Rows of q etc.: requests, or tokens (`tokens` a request, or cu_seqlens [N+1]); idx [N] or
+  // [N, C] (a checkpoint per token). gate_activation 0 (no epilogue), 1 silu, 2 sigmoid;
+  // variant -1 = auto; pdl: programmatic dependent launch where the image is sm_90+ (CUDELTA_PDL,
+  // read once in Python). The output goes to `out` (engines preallocate it; the Python API does too).
   m.def(
-      "gdn_decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
-      "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, float scale, bool use_qk_l2norm, int layout, "
-      "int min_slot, int variant) -> ()");
-  m.def(
-      "kda_decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
-      "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, float scale, bool use_qk_l2norm, int layout, "
-      "int min_slot, int variant) -> ()");
+      "decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
+      "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, Tensor? cu_seqlens, "
+      "Tensor? num_accepted_tokens, Tensor? output_gate, Tensor? norm_weight, float scale, float norm_eps, "
+      "bool per_channel, bool use_qk_l2norm, int layout, int min_slot, int tokens, int gate_activation, "
+      "int variant, bool pdl) -> ()");
   m.def("select_variant(int device, int requested, int heads) -> int");
   m.def("probe(int device) -> int[]");
   m.def("build_info() -> str");
@@ -410,8 +485,7 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cudelta, CUDA, m) {
-  m.impl("gdn_decode", TORCH_BOX(&cudelta::gdn_decode));
-  m.impl("kda_decode", TORCH_BOX(&cudelta::kda_decode));
+  m.impl("decode", TORCH_BOX(&cudelta::decode_op));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cudelta, CompositeExplicitAutograd, m) {

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 
 from . import _build_record, _native
+from ._call import DecodeCall
+from .ops import run_kernel
 from .reference import gdn_decode_reference
 
 
@@ -87,8 +89,7 @@ def smoke_test(device: str, variant: int) -> dict:
     ref_state = state.clone()
     ref_out = gdn_decode_reference(q, k, v, g, beta, ref_state, idx, use_qk_l2norm=True)
     out = torch.empty_like(v)
-    torch.ops.cudelta.gdn_decode(q, k, v, g, beta, None, None, None, None, state, idx, out, 128 ** -0.5, True,
-                                 0, 0, variant)
+    run_kernel(DecodeCall("gdn", q, k, v, g, beta, state, idx, use_qk_l2norm=True), out, variant)
     torch.cuda.synchronize(device)
     scale = float(ref_state.abs().max())
     state_err = float((state - ref_state).abs().max()) / scale

@@ -26,6 +26,7 @@ from . import _build_record, _install_record, _release_policy
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 VARIANT_ENV = "CUDELTA_KERNEL_VARIANT"
+PDL_ENV = "CUDELTA_PDL"
 REINSTALL = _build_record.REINSTALL
 
 
@@ -40,6 +41,7 @@ class NativeStatus:
     loaded: bool
     reason: str  # why not loaded, or "loaded"
     variant: int = -1  # CUDELTA_KERNEL_VARIANT, read once at load (no environ lookup per call)
+    pdl: bool = True  # CUDELTA_PDL, read once at load: programmatic dependent launch on sm_90+ images
     # Kernel variant name -> id, from the library's own table (kernels/launch.h kVariants).
     variants: Mapping[str, int] = field(default_factory=dict)
     # The install record's verdict on this machine (the line said once), or None.
@@ -234,7 +236,8 @@ def _load() -> NativeStatus:
                             install_check=checked)
     _register_fake()
     table = _variant_table()
-    return NativeStatus(path, info, True, "loaded", requested_variant(os.environ, table), table, checked)
+    return NativeStatus(path, info, True, "loaded", requested_variant(os.environ, table), requested_pdl(os.environ),
+                        table, checked)
 
 
 def _variant_table() -> dict:
@@ -249,13 +252,19 @@ def variants() -> Mapping[str, int]:
 
 
 def _register_fake() -> None:
-    # The ops write `state` and `out` in place and return nothing, so under torch.compile /
-    # FakeTensor there is nothing to compute; the signature mirrors the schema in csrc/ops.cpp.
-    for op in ("cudelta::gdn_decode", "cudelta::kda_decode"):
-        @torch.library.register_fake(op)
-        def _(q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, layout, min_slot,
-              variant):
-            return None
+    # The op writes `state` and `out` in place and returns nothing, so under torch.compile /
+    # FakeTensor there is nothing to compute (the schema: csrc/ops.cpp).
+    @torch.library.register_fake("cudelta::decode")
+    def _(*args):
+        return None
+
+
+def requested_pdl(environ: Mapping[str, str]) -> bool:
+    """CUDELTA_PDL: 1 (default) or 0, to time the kernels without programmatic dependent launch."""
+    raw = environ.get(PDL_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV}={raw!r} is not accepted; expected 0 (off) or 1 (on, the default)")
+    return raw != "0"
 
 
 def requested_variant(environ: Mapping[str, str], table: Mapping[str, int]) -> int:

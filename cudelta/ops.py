@@ -1,10 +1,10 @@
 """Public ops: the CUDA kernel where it can run, the PyTorch reference everywhere else.
 
-Both paths take the same options and check arguments alike (cudelta._contract.check_call and
-check_gates), so a call that is wrong fails the same way on a CPU and on a GPU. What the kernels do
-not compute yet (several tokens per request, the epilogue) is refused on CUDA tensors by name,
-never run in the slow reference on the GPU. vLLM's padded pool runs in the kernels, whose 16-byte
-state accesses add one rule on CUDA (check_kernel_pool).
+Both paths take one call value (cudelta._call.DecodeCall) and check arguments alike
+(cudelta._contract.check_call and check_gates), so a call that is wrong fails the same way on a CPU
+and on a GPU. Every option runs in the kernels on CUDA tensors: several tokens per request with a
+checkpoint per token, the gated RMSNorm epilogue, vLLM's padded pool (whose 16-byte state accesses
+add one rule on CUDA, check_kernel_pool).
 """
 
 from __future__ import annotations
@@ -14,95 +14,96 @@ from typing import Optional
 import torch
 
 from . import _native
-from ._contract import LAYOUTS, check_call, check_gates, check_kernel_pool, min_valid_slot
-from .reference import gdn_decode_reference, kda_decode_reference
+from ._call import DecodeCall
+from ._contract import (DEFAULT_NORM_EPS, INVALID_SLOT_RULES, LAYOUTS, check_call, check_gates, check_kernel_pool,
+                        min_valid_slot)
+from .reference import decode_reference
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class NotSupportedOnCUDAError(NotImplementedError):
     """An option of the contract that this release computes on CPU tensors only (the reference): on
-    CUDA tensors it is refused, never run slowly behind an engine's back."""
+    CUDA tensors it is refused, never run slowly behind an engine's back. No option is refused so
+    today; engines that caught it keep working."""
 
 
-def _not_on_cuda(q, idx, extra) -> list[str]:
-    """The options of a CUDA call that the kernels do not take yet, each named (empty: none)."""
-    names = []
-    if q.dim() == 4:
-        names.append(f"q of shape {tuple(q.shape)} (T tokens per request)")
-    if extra["cu_seqlens"] is not None:
-        names.append("cu_seqlens (tokens per request)")
-    if idx.dim() == 2:
-        names.append(f"idx of shape {tuple(idx.shape)} (a state checkpoint per token)")
-    if extra["num_accepted_tokens"] is not None:
-        names.append("num_accepted_tokens")
-    epilogue = [n for n in ("output_gate", "norm_weight", "norm_eps", "gate_activation") if extra[n] is not None]
-    if epilogue:
-        names.append(f"{', '.join(epilogue)} (the gated RMSNorm epilogue)")
-    return names
+_ACTIVATIONS = {None: 1, "silu": 1, "sigmoid": 2}  # the op's gate_activation (0: no epilogue)
 
 
-def _refuse(names: list[str]) -> NotSupportedOnCUDAError:
-    return NotSupportedOnCUDAError(
-        f"cudelta: {'; '.join(names)}: not yet supported by the CUDA kernels of this release (CPU tensors run it "
-        "in the PyTorch reference; see README, 'Multi-token decode')")
+def _rows(x: Optional[torch.Tensor], lead: int) -> Optional[torch.Tensor]:
+    """A per-token tensor [N, T, ...] as rows of tokens [N * T, ...] (a view where strides allow)."""
+    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) if lead == 2 else x
 
 
-def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout, invalid_slot,
-            out, extra):
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    options = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, layout=layout,
-                   invalid_slot=invalid_slot, out=out, **extra)
-    reference = gdn_decode_reference if kind == "gdn" else kda_decode_reference
-    args = (q, k, v, g, beta, state, idx)
+def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Optional[bool] = None) -> None:
+    """The CUDA op on one call, writing `out` (v's shape and dtype) and the pool in place: the one place
+    where a call's value becomes the op's arguments. `variant` -1 is auto; `pdl` None takes
+    CUDELTA_PDL as read at load. Dense [N, T, ...] tokens travel as rows of tokens with T given."""
+    lead = 2 if call.q.dim() == 4 else 1
+    T = call.q.shape[1] if lead == 2 else 1
+    rows = out.view(-1, *out.shape[lead:]) if lead == 2 else out
+    epilogue = call.output_gate is not None
+    torch.ops.cudelta.decode(
+        _rows(call.q, lead), _rows(call.k, lead), _rows(call.v, lead), _rows(call.g, lead), _rows(call.beta, lead),
+        _rows(call.a, lead), _rows(call.b, lead), call.A_log, call.dt_bias, call.state, call.idx, rows,
+        call.cu_seqlens, call.num_accepted_tokens, _rows(call.output_gate, lead), call.norm_weight,
+        call.resolved_scale, DEFAULT_NORM_EPS if call.norm_eps is None else float(call.norm_eps), call.per_channel,
+        call.use_qk_l2norm, LAYOUTS.index(call.layout), min_valid_slot(call.invalid_slot), T,
+        _ACTIVATIONS[call.gate_activation] if epilogue else 0, variant,
+        _native.status().pdl if pdl is None else pdl)
+
+
+def _check(call: DecodeCall) -> None:
+    shape = check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
+                       call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
+                       call.gate_activation)
+    check_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b, call.A_log, call.dt_bias)
+
+
+def _decode(call: DecodeCall) -> torch.Tensor:
+    q = call.q
     if not q.is_cuda:
         _native.notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)")
-        return reference(*args, **options)
-
-    def check():
-        shape = check_call(q, k, v, state, idx, layout, out, **extra)
-        check_gates(kind, shape.lead, shape.HV, shape.K, g, beta, a, b, A_log, dt_bias)
-
-    # One look at a few attributes: the options the kernels lack are refused on every CUDA path (a slow
-    # reference on the GPU is what an engine would never notice), after the checks that name a
-    # malformed argument as on the CPU.
-    if q.dim() != 3 or idx.dim() != 1 or any(x is not None for x in extra.values()):
-        check()
-        unsupported = _not_on_cuda(q, idx, extra)
-        if unsupported:
-            raise _refuse(unsupported)
+        return decode_reference(call)
     st = _native.status()
     if not st.loaded:
         if st.path is not None:  # a library that exists but cannot run here is an error, not a slow path
             raise _native.NativeLibraryError(f"cudelta: {st.reason}")
         _native.notice_once("no-native", f"{st.reason}; CUDA tensors use the PyTorch reference (slow)")
-        return reference(*args, **options)
+        return decode_reference(call)
     if q.dtype not in _NATIVE_DTYPES:
         _native.notice_once(f"dtype:{q.dtype}", f"q dtype {q.dtype} is not supported by the CUDA kernel; "
                             "using the reference")
-        return reference(*args, **options)
-    lowest = min_valid_slot(invalid_slot)
+        return decode_reference(call)
     compiling = torch.compiler.is_compiling()
-    if layout not in LAYOUTS or compiling:
-        check()  # traced once under torch.compile: free at run time
-    if out is None:
-        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    op = torch.ops.cudelta.gdn_decode if kind == "gdn" else torch.ops.cudelta.kda_decode
-    args = (q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, scale, use_qk_l2norm, LAYOUTS.index(layout),
-            lowest, st.variant)
+    # Several tokens a request: the Python checks name a wrong shape before the rows of tokens are
+    # formed from it (one token a request: the op checks, and the checks run on its refusal below).
+    if call.multi_token or call.layout not in LAYOUTS or call.invalid_slot not in INVALID_SLOT_RULES or compiling:
+        _check(call)  # traced once under torch.compile: free at run time
+    out = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device) if call.out is None else call.out
+    if call.q.dim() == 4 and not _viewable(out):
+        scratch = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        run_kernel(call, scratch, st.variant)
+        return out.copy_(scratch)
     if compiling:  # the op names a pool it cannot address aligned, in check_kernel_pool's words
-        op(*args)
+        run_kernel(call, out, st.variant)
         return out
     # Eager: the op checks every argument before it launches anything (nothing is written when it
     # refuses), so the Python checks, 4 us a call, run only to name a refused argument the way the
     # reference path does, or a pool whose slots the kernels cannot address aligned.
     try:
-        op(*args)
+        run_kernel(call, out, st.variant)
     except RuntimeError:
-        check()
-        check_kernel_pool(state)
+        _check(call)
+        check_kernel_pool(call.state)
         raise
     return out
+
+
+def _viewable(out: torch.Tensor) -> bool:
+    """Whether out [N, T, HV, V] can be written as rows of tokens in place."""
+    return out.stride(0) == out.shape[1] * out.stride(1) or out.shape[1] == 1
 
 
 def gdn_decode(
@@ -159,14 +160,14 @@ def gdn_decode(
     rounded again; act = gate_activation ("silu", the default, or "sigmoid"); norm_eps 1e-5 unless
     given.
 
-    Several tokens and the epilogue run on CPU tensors (the reference); on CUDA tensors this release
-    raises NotSupportedOnCUDAError naming them. A padded pool runs on both; on CUDA tensors its slots
-    must lie a multiple of 16 bytes apart and start on 16 bytes (vLLM's pages do).
+    Every option runs on CPU tensors (the reference) and CUDA tensors (the kernels). On CUDA tensors a
+    padded pool's slots must lie a multiple of 16 bytes apart and start on 16 bytes (vLLM's pages do),
+    and cu_seqlens' values are not read on the host (that would synchronise): a request whose tokens
+    fall outside the rows, or outnumber idx's columns, is skipped (nothing written).
     """
-    return _decode("gdn", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout,
-                   invalid_slot, out, dict(cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
-                                           output_gate=output_gate, norm_weight=norm_weight, norm_eps=norm_eps,
-                                           gate_activation=gate_activation))
+    return _decode(DecodeCall("gdn", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm,
+                              layout, invalid_slot, out, cu_seqlens, num_accepted_tokens, output_gate, norm_weight,
+                              norm_eps, gate_activation))
 
 
 def kda_decode(
@@ -196,7 +197,6 @@ def kda_decode(
 ) -> torch.Tensor:
     """Kimi Delta Attention decode: as gdn_decode, with a per-channel log-decay g [..., HV, K], or raw
     a [..., HV, K] with A_log [HV] and dt_bias [HV, K]."""
-    return _decode("kda", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm, layout,
-                   invalid_slot, out, dict(cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
-                                           output_gate=output_gate, norm_weight=norm_weight, norm_eps=norm_eps,
-                                           gate_activation=gate_activation))
+    return _decode(DecodeCall("kda", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm,
+                              layout, invalid_slot, out, cu_seqlens, num_accepted_tokens, output_gate, norm_weight,
+                              norm_eps, gate_activation))

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ._call import DecodeCall
 from ._contract import (  # noqa: F401  (the names this module exported before _contract held them)
     DEFAULT_NORM_EPS,
     HEAD_DIMS,
@@ -181,33 +182,34 @@ def _store(state: torch.Tensor, slots: torch.Tensor, h: torch.Tensor, layout: st
     state[slots] = h.to(state.dtype)
 
 
-def _decode(kind, q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, **options):
-    shape = check_call(q, k, v, state, idx, options["layout"], options["out"], options["cu_seqlens"],
-                       options["num_accepted_tokens"], options["output_gate"], options["norm_weight"],
-                       options["norm_eps"], options["gate_activation"])
-    log_decay, beta = resolve_gates(kind, shape.lead, shape.HV, shape.K, g, beta, a, b, A_log, dt_bias)
-    return delta_rule_decode_reference(q, k, v, log_decay, beta, state, idx, **options)
+def decode_reference(call: DecodeCall) -> torch.Tensor:
+    """The reference of one decode call (cudelta._call.DecodeCall): the gates resolved for its kind,
+    then the step."""
+    shape = check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
+                       call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
+                       call.gate_activation)
+    log_decay, beta = resolve_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b,
+                                    call.A_log, call.dt_bias)
+    return delta_rule_decode_reference(
+        call.q, call.k, call.v, log_decay, beta, call.state, call.idx, scale=call.scale,
+        use_qk_l2norm=call.use_qk_l2norm, layout=call.layout, invalid_slot=call.invalid_slot, out=call.out,
+        cu_seqlens=call.cu_seqlens, num_accepted_tokens=call.num_accepted_tokens, output_gate=call.output_gate,
+        norm_weight=call.norm_weight, norm_eps=call.norm_eps, gate_activation=call.gate_activation)
 
 
-def gdn_decode_reference(q, k, v, g, beta, state, idx, *, a=None, b=None, A_log=None, dt_bias=None, scale=None,
-                         use_qk_l2norm=False, layout="kv", invalid_slot="negative", out=None, cu_seqlens=None,
-                         num_accepted_tokens=None, output_gate=None, norm_weight=None, norm_eps=None,
-                         gate_activation=None):
-    """Gated DeltaNet: g is the lead + [HV] log-decay, or raw a with A_log, dt_bias [HV] (see gdn_gate);
-    beta lead + [HV], or raw b with the sigmoid applied here. Options: cudelta.gdn_decode."""
-    return _decode("gdn", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, layout=layout, invalid_slot=invalid_slot, out=out,
-                   cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
-                   norm_weight=norm_weight, norm_eps=norm_eps, gate_activation=gate_activation)
+def _entry(kind: str, doc: str):
+    """The reference with the public API's arguments (cudelta.gdn_decode / kda_decode): one call value,
+    an unknown option refused by name."""
+    def decode(q, k, v, g, beta, state, idx, **options):
+        return decode_reference(DecodeCall(kind, q, k, v, g, beta, state, idx, **options))
+
+    decode.__name__ = decode.__qualname__ = f"{kind}_decode_reference"
+    decode.__doc__ = doc
+    return decode
 
 
-def kda_decode_reference(q, k, v, g, beta, state, idx, *, a=None, b=None, A_log=None, dt_bias=None, scale=None,
-                         use_qk_l2norm=False, layout="kv", invalid_slot="negative", out=None, cu_seqlens=None,
-                         num_accepted_tokens=None, output_gate=None, norm_weight=None, norm_eps=None,
-                         gate_activation=None):
-    """Kimi Delta Attention: g is the per-channel lead + [HV, K] log-decay, or raw a with A_log [HV]
-    and dt_bias [HV, K] (see kda_gate)."""
-    return _decode("kda", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, layout=layout, invalid_slot=invalid_slot, out=out,
-                   cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
-                   norm_weight=norm_weight, norm_eps=norm_eps, gate_activation=gate_activation)
+gdn_decode_reference = _entry("gdn", """Gated DeltaNet: g is the lead + [HV] log-decay, or raw a with A_log,
+    dt_bias [HV] (see gdn_gate); beta lead + [HV], or raw b with the sigmoid applied here. Arguments and options:
+    cudelta.gdn_decode.""")
+kda_decode_reference = _entry("kda", """Kimi Delta Attention: g is the per-channel lead + [HV, K] log-decay, or
+    raw a with A_log [HV] and dt_bias [HV, K] (see kda_gate). Arguments and options: cudelta.kda_decode.""")

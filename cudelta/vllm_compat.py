@@ -12,8 +12,8 @@ stride exceeds the block). Arguments are checked with the rules vLLM applies (it
 the packed decode; the CUDA op's checks for the MTP step, K = V = 128 and bf16 activations
 included), then with cudelta's own (head dims 64/128/256, fp32 or bf16 state), each error naming
 the value. On CPU tensors both run the PyTorch reference. On CUDA tensors the packed decode runs
-the kernel, on vLLM's padded pool as allocated; the MTP step (several tokens, checkpoints, the
-epilogue) raises cudelta.ops.NotSupportedOnCUDAError in this release.
+the kernels, on vLLM's padded pool as allocated: the packed decode the one-token kernel, the MTP
+step (several tokens, a checkpoint per token, the gated RMSNorm epilogue) the multi-token kernel.
 
 Where vLLM's result is undefined, cudelta's is not: a slot >= the pool's size counts as invalid, a
 request with more tokens than state_indices has columns is refused, and output rows after

@@ -29,6 +29,13 @@ const void* advance(const void* p, int64_t elements, DType t) {
 // Variant "warp": the warp kernels for every shape, the kv block kernel for kv with K = 256.
 int launch_warp(const GdnDecodeParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
+  if (p.multi_token()) {
+    switch (p.state_dtype) {
+      case DType::kFloat32: return launch_mtp_float32(p, s);
+      case DType::kBFloat16: return launch_mtp_bfloat16(p, s);
+      default: return static_cast<int>(cudaErrorInvalidValue);
+    }
+  }
   switch (p.state_dtype) {
     case DType::kFloat32: return p.state_vk ? launch_vk_float32(p, s) : launch_kv_float32(p, s);
     case DType::kBFloat16: return p.state_vk ? launch_vk_bfloat16(p, s) : launch_kv_bfloat16(p, s);
@@ -41,7 +48,8 @@ int launch_gdn_decode(const GdnDecodeParams& p, Variant v, void* stream) {
   if (p.N == 0) return 0;
   const int id = static_cast<int>(v);
   if (id < 0 || id >= kNumVariants) return static_cast<int>(cudaErrorInvalidValue);
-  if (p.N > kMaxRequestsPerLaunch) {
+  // The multi-token kernel puts requests on the grid's x dimension (2^31 - 1 blocks): no split.
+  if (p.N > kMaxRequestsPerLaunch && !p.multi_token()) {
     // Requests are independent: launch them in chunks the grid can hold, each chunk's per-request
     // pointers advanced past the previous ones.
     for (int64_t n0 = 0; n0 < p.N; n0 += kMaxRequestsPerLaunch) {

@@ -65,6 +65,38 @@ struct GdnDecodeParams {
   // Launch with programmatic dependent launch (sm_90+ images): the kernel's blocks start while the
   // previous kernel of the stream finishes, and wait in the kernel for its writes (griddepcontrol).
   bool pdl;
+
+  // Several tokens per request (speculative decoding; kernels/mtp.cuh). q, k, v, the gates, the
+  // output gate and out are then rows of tokens: their *_stride_n step from one token to the next.
+  // Request n's tokens are cu_seqlens[n] .. cu_seqlens[n+1] - 1 (int32 or int64), or, without
+  // cu_seqlens, n * tokens .. n * tokens + tokens - 1. L: the token rows (rows outside every request
+  // get zero outputs).
+  int64_t tokens;
+  const void* cu_seqlens;
+  bool cu_is_int64;
+  int64_t L;
+  // idx [N, idx_columns] (idx_columns > 0): the state after token t is stored at idx[n, t] (an
+  // invalid slot is not written) and the step starts from idx[n, accepted[n] - 1] (idx[n, 0]
+  // without `accepted`, an [N] int32/int64 tensor). idx_columns 0: idx [N], read and written once.
+  int64_t idx_columns;
+  const void* accepted;
+  bool accepted_is_int64;
+  // The gated RMSNorm epilogue (gate_activation > 0): o, rounded to out's dtype, becomes
+  // o * rsqrt(mean over V of o^2 + norm_eps) * norm_weight * act(z), act = silu (1) or sigmoid (2).
+  // z: rows of tokens like out, innermost contiguous; norm_weight [V], contiguous.
+  int gate_activation;
+  const void* z;
+  DType z_dtype;
+  int64_t z_stride_n, z_stride_h;
+  const void* norm_weight;
+  DType norm_weight_dtype;
+  float norm_eps;
+
+  // Whether the call takes the multi-token kernel: anything beyond one token read and written in
+  // place at idx[n] without an epilogue.
+  bool multi_token() const {
+    return tokens != 1 || cu_seqlens != nullptr || idx_columns > 0 || gate_activation > 0;
+  }
 };
 
 

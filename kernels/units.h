@@ -18,6 +18,9 @@ CUDELTA_UNIT_ENTRY launch_vk_float32(const GdnDecodeParams& p, cudaStream_t stre
 CUDELTA_UNIT_ENTRY launch_vk_bfloat16(const GdnDecodeParams& p, cudaStream_t stream);
 CUDELTA_UNIT_ENTRY launch_kv_float32(const GdnDecodeParams& p, cudaStream_t stream);   // state [P, HV, K, V]
 CUDELTA_UNIT_ENTRY launch_kv_bfloat16(const GdnDecodeParams& p, cudaStream_t stream);
+// Several tokens per request and the epilogue (kernels/mtp.cuh), one unit per state dtype.
+CUDELTA_UNIT_ENTRY launch_mtp_float32(const GdnDecodeParams& p, cudaStream_t stream);
+CUDELTA_UNIT_ENTRY launch_mtp_bfloat16(const GdnDecodeParams& p, cudaStream_t stream);
 #undef CUDELTA_UNIT_ENTRY
 
 }  // namespace cudelta

@@ -9,6 +9,8 @@ torch = pytest.importorskip("torch")
 
 import cudelta  # noqa: E402
 from cudelta import _native  # noqa: E402
+from cudelta._call import DecodeCall  # noqa: E402
+from cudelta.ops import run_kernel  # noqa: E402
 from cudelta.reference import gdn_decode_reference, kda_decode_reference, resolve_gates  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/step_tolerance.py
@@ -81,11 +83,10 @@ def gate_args(t, gates):
 
 def run_op(kind, variant, t, gates="pre", layout="kv", rule="negative", l2norm=True, out=None):
     """The raw op with a forced variant; the output buffer is poisoned so unwritten elements show."""
-    op = torch.ops.cudelta.kda_decode if kind == "kda" else torch.ops.cudelta.gdn_decode
     ga = gate_args(t, gates)
     out = torch.full_like(t["v"], float("nan")) if out is None else out
-    op(t["q"], t["k"], t["v"], ga["g"], ga["beta"], ga["a"], ga["b"], ga["A_log"], ga["dt_bias"], t["state"], t["idx"],
-       out, t["q"].shape[-1] ** -0.5, l2norm, LAYOUTS[layout], RULES[rule], variant)
+    run_kernel(DecodeCall(kind, t["q"], t["k"], t["v"], state=t["state"], idx=t["idx"], use_qk_l2norm=l2norm,
+                          layout=layout, invalid_slot=rule, **ga), out, variant)
     return out
 
 
