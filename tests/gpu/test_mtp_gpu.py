@@ -14,11 +14,11 @@ byte of the pool's allocation (slots not named, named slots that must not be wri
 columns, columns past a request's tokens, rows without a start or without tokens; vLLM's conv
 states and padding) bit-identical.
 
-Every call has rows with an invalid starting slot (negative, past the pool, or the null block 0
+Every call of six requests or more has rows with an invalid starting slot (negative, past the pool, or the null block 0
 under invalid_slot="nonpositive"; under "negative" slot 0 is an ordinary slot and named), with
 checkpoints a row with invalid columns (not written, the state carried on) and a column past the
 pool, with num_accepted_tokens rows with acc = 0 and acc = C + 1 (no starting column) and rejected
-drafts (acc < T: the start is a slot this call overwrites), with cu_seqlens a request with no token
+drafts (acc < C: the start is a slot this call overwrites), with cu_seqlens a request with no token
 and tokens after cu_seqlens[N].
 
 The case matrix. The options: token form (q [N, H, K]; [N, T, H, K] for T = 1..8; flat with
