@@ -1,62 +1,51 @@
-"""On a real GPU (marker `gpu`): the multi-token options and the epilogue, which this release computes
-on CPU tensors only, are refused on CUDA tensors by name with the pool left as it was; vLLM's
-one-token packed decode runs the kernel through cudelta.vllm_compat, on a contiguous pool and on
-vLLM's padded pool as allocated."""
+"""On a real GPU (marker `gpu`): each multi-token option and the epilogue, which an earlier release
+refused on CUDA tensors (cudelta.ops.NotSupportedOnCUDAError), runs in the kernels, alone and all
+at once, and matches the same call on CPU tensors (the PyTorch reference); vLLM's one-token packed
+decode runs the kernel through cudelta.vllm_compat, on a contiguous pool and on vLLM's padded pool
+as allocated. tests/gpu/test_mtp_gpu.py checks the options against the float64 loop, combined."""
+
+import sys
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import cudelta  # noqa: E402
 from cudelta import vllm_compat  # noqa: E402
-from cudelta.ops import NotSupportedOnCUDAError  # noqa: E402
 from test_gdn_decode_gpu import check_step, native_loaded  # noqa: E402, F401  (native_loaded: autouse, per module)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/mtp_cases.py
+import mtp_cases as mc  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-
-def step(N=4, T=1, H=2, HV=4, D=128, P=9, seed=40):
-    gen = torch.Generator().manual_seed(seed)
-    lead = (N, T) if T > 1 else (N,)
-    t = dict(q=torch.randn(*lead, H, D, generator=gen), k=torch.randn(*lead, H, D, generator=gen),
-             v=torch.randn(*lead, HV, D, generator=gen), g=-torch.rand(*lead, HV, generator=gen),
-             beta=torch.rand(*lead, HV, generator=gen), z=torch.randn(*lead, HV, D, generator=gen),
-             w=torch.ones(D))
-    t = {n: x.cuda().to(torch.bfloat16 if n in "qkvz" else torch.float32) for n, x in t.items()}
-    t["state"] = (torch.randn(P, HV, D, D, generator=gen) * 0.1).cuda()
-    return t
-
-
+# Each option on its own (one token per request, idx [N], no epilogue, a contiguous pool otherwise),
+# then all of them at once on vLLM's pages.
+ALONE = dict(tokens="single", slots="final", epilogue="none", pool="contiguous")
 OPTIONS = [
-    ("cu_seqlens", lambda t: dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4], device="cuda")), "cu_seqlens"),
-    ("idx per token", lambda t: dict(idx=torch.tensor([[1], [2], [3], [4]], device="cuda")), "idx of shape"),
-    ("accepted", lambda t: dict(idx=torch.tensor([[1], [2], [3], [4]], device="cuda"),
-                                num_accepted_tokens=torch.ones(4, dtype=torch.int32, device="cuda")),
-     "num_accepted_tokens"),
-    ("epilogue", lambda t: dict(output_gate=t["z"], norm_weight=t["w"]), "the gated RMSNorm epilogue"),
+    ("T tokens per request", mc.Case(**dict(ALONE, tokens="T3"), seed=600)),
+    ("cu_seqlens", mc.Case(**dict(ALONE, tokens="varlen"), seed=601)),
+    ("idx per token", mc.Case(**dict(ALONE, slots="ckpt"), seed=602)),
+    ("num_accepted_tokens", mc.Case(**dict(ALONE, slots="accepted"), seed=603)),
+    ("epilogue", mc.Case(**dict(ALONE, epilogue="silu"), seed=604)),
+    ("padded pool with the epilogue", mc.Case(**dict(ALONE, epilogue="sigmoid", pool="pages"), seed=605)),
+    ("all at once", mc.Case(seed=606)),
 ]
 
 
-@pytest.mark.parametrize("what,options,name", OPTIONS, ids=[o[0] for o in OPTIONS])
-def test_an_option_the_kernels_lack_is_refused_by_name_on_cuda(what, options, name):
-    t = step()
-    before = t["state"].clone()
-    opts = options(t)
-    idx = opts.pop("idx", torch.tensor([1, 2, 3, 4], device="cuda"))
-    with pytest.raises(NotSupportedOnCUDAError, match=f"{name}.*not yet supported by the CUDA kernels"):
-        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], t["state"], idx, layout="vk", **opts)
+@pytest.mark.parametrize("what,case", OPTIONS, ids=[o[0] for o in OPTIONS])
+def test_each_option_runs_on_cuda_and_matches_the_cpu_reference(what, case):
+    gpu, cpu = mc.build(case, "cuda"), mc.build(case, "cpu")
+    before = mc.snapshot(gpu)
+    try:
+        out = mc.call(case, gpu)
+    except NotImplementedError as e:  # cudelta.ops.NotSupportedOnCUDAError is one
+        pytest.fail(f"{what}: still refused on CUDA tensors: {e}")
     torch.cuda.synchronize()
-    assert torch.equal(t["state"], before)
-
-
-def test_tokens_per_request_are_refused_by_name_on_cuda():
-    t = step(T=3)
-    with pytest.raises(NotSupportedOnCUDAError, match=r"q of shape \(4, 3, 2, 128\) \(T tokens per request\)"):
-        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], t["state"],
-                           torch.tensor([1, 2, 3, 4], device="cuda"), layout="vk")
+    mc.compare(case, gpu, out, cpu, mc.call(case, cpu), before)
 
 
 def vllm_pages(P, HV, D, state_dtype, conv_bytes=4096, pad_bytes=512):
@@ -66,20 +55,6 @@ def vllm_pages(P, HV, D, state_dtype, conv_bytes=4096, pad_bytes=512):
     state = pages[:, conv_bytes:conv_bytes + nbytes].view(state_dtype).view(-1, HV, D, D)
     state.copy_(torch.randn(state.shape, device="cuda") * 0.1)
     return pages, state
-
-
-def test_on_vllm_s_padded_pool_a_refusal_names_only_the_option_and_leaves_the_pages_as_they_were():
-    t = step()
-    pages, state = vllm_pages(9, 4, 128, torch.bfloat16)
-    before = pages.clone()
-    with pytest.raises(NotSupportedOnCUDAError, match=r"cudelta: output_gate, norm_weight \(the gated RMSNorm "
-                       r"epilogue\): not yet supported") as e:
-        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], state,
-                           torch.tensor([1, 2, 3, 4], device="cuda"), layout="vk", output_gate=t["z"],
-                           norm_weight=t["w"])
-    torch.cuda.synchronize()
-    assert "pool" not in str(e.value)
-    assert torch.equal(pages, before)
 
 
 @pytest.mark.parametrize("pool", ["contiguous", "vllm-pages"])

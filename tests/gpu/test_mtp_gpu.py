@@ -1,0 +1,240 @@
+"""On a real GPU (marker `gpu`): several tokens per request (speculative decoding, vLLM's MTP) and the
+fused gated-RMSNorm epilogue in the CUDA kernels, against the float64 loop of
+tests/unit/decode_loop.py.
+
+Each call is built, run and checked by tests/mtp_cases.py, which tests/unit/test_mtp_cases.py runs
+on CPU tensors (the reference) so that the builder and the checker are tested without a GPU. A call
+is checked for: its output (v's shape and dtype, into out= when given, every element written) each
+element within its own tolerance of the loop's (tests/step_tolerance.py: one ulp of the dtype plus
+(t + 1) fp32 steps' worth of the element's magnitude for token t; after the epilogue, what the
+output's tolerance does to the norm); exact zeros for the tokens of requests without a starting slot
+and for tokens after cu_seqlens[N]; each stored state (the state after the last token at idx[n]
+with idx [N], after token t at idx[n, t] with idx [N, C]) within its tolerance; and every other
+byte of the pool's allocation (slots not named, named slots that must not be written: invalid
+columns, columns past a request's tokens, rows without a start or without tokens; vLLM's conv
+states and padding) bit-identical.
+
+Every call of six requests or more has rows with an invalid starting slot (negative, past the pool, or the null block 0
+under invalid_slot="nonpositive"; under "negative" slot 0 is an ordinary slot and named), with
+checkpoints a row with invalid columns (not written, the state carried on) and a column past the
+pool, with num_accepted_tokens rows with acc = 0 and acc = C + 1 (no starting column) and rejected
+drafts (acc < C: the start is a slot this call overwrites), with cu_seqlens a request with no token
+and tokens after cu_seqlens[N].
+
+The case matrix. The options: token form (q [N, H, K]; [N, T, H, K] for T = 1..8; flat with
+cu_seqlens), slots (idx [N]; idx [N, C]; and num_accepted_tokens), epilogue (none, silu, sigmoid;
+norm_eps 1e-3, not the default), HV = H, 2H, 4H, q/k/v dtype (bf16, fp16, fp32), GDN or KDA, layout,
+state dtype, gate form, invalid-slot rule, pool (contiguous, vLLM's pages), out= or not, C = T or
+T + 1, l2 norm (with the default scale) or not (scale passed), int32 or int64 indices. Their full
+product is about 830,000 calls; MATRIX holds every pair of values of every two options at least
+once (greedy pairwise, mtp_cases.pairwise; the unit test checks the coverage): 33 calls at
+K = V = 128. Then: HEAD_DIMS, 10 calls with K, V of 64 and 256 (both layouts and state dtypes
+each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Next's heads 16/32,
+its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8 and varying T (6). Beyond
+those: T = 1 with the epilogue only (12), the epilogue against the reference's epilogue of the
+unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
+(4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
+tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
+81 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
+is most of the rest, a few seconds for the largest engine batch.
+"""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/mtp_cases.py, tests/step_tolerance.py
+import mtp_cases as mc  # noqa: E402
+from test_gdn_decode_gpu import native_loaded  # noqa: E402, F401  (autouse, per module)
+
+import cudelta  # noqa: E402
+from cudelta import vllm_compat  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+DEVICE = "cuda"
+
+
+@pytest.mark.parametrize("case", mc.MATRIX, ids=mc.case_id)
+def test_every_pair_of_options_matches_the_float64_loop(case):
+    mc.run_and_check(case, DEVICE)
+
+
+@pytest.mark.parametrize("case", mc.HEAD_DIMS, ids=mc.case_id)
+def test_head_dims_64_and_256(case):
+    mc.run_and_check(case, DEVICE)
+
+
+@pytest.mark.parametrize("case", mc.ENGINE, ids=mc.case_id)
+def test_engine_batches(case):
+    mc.run_and_check(case, DEVICE)
+
+
+@pytest.mark.parametrize("case", mc.VLLM_CALLS, ids=mc.case_id)
+def test_vllm_s_mtp_call(case):
+    mc.run_and_check(case, DEVICE)
+
+
+# T = 1, idx [N], the epilogue and nothing else: what an engine without speculative decoding calls.
+ONE_TOKEN = [
+    mc.Case(tokens="single", slots="final", layout=layout, state=state, epilogue=act, eps=eps, kind=kind, gates=gates,
+            pool=pool, seed=500 + i)
+    for i, (layout, state, act, eps, kind, gates, pool) in enumerate([
+        ("kv", "fp32", "silu", 1e-3, "gdn", "raw", "pages"),
+        ("kv", "fp32", "sigmoid", 1e-3, "kda", "pre", "contiguous"),
+        ("kv", "fp32", "silu", None, "gdn", "pre", "contiguous"),
+        ("kv", "bf16", "silu", 1e-3, "kda", "raw", "contiguous"),
+        ("kv", "bf16", "sigmoid", 1e-3, "gdn", "pre", "pages"),
+        ("kv", "bf16", "silu", None, "kda", "raw", "pages"),
+        ("vk", "fp32", "silu", 1e-3, "kda", "pre", "pages"),
+        ("vk", "fp32", "sigmoid", 1e-3, "gdn", "raw", "contiguous"),
+        ("vk", "fp32", "silu", None, "kda", "raw", "contiguous"),
+        ("vk", "bf16", "silu", 1e-3, "gdn", "pre", "contiguous"),
+        ("vk", "bf16", "sigmoid", 1e-3, "kda", "raw", "pages"),
+        ("vk", "bf16", "silu", None, "gdn", "raw", "pages"),
+    ])
+]
+
+
+@pytest.mark.parametrize("case", ONE_TOKEN, ids=mc.case_id)
+def test_one_token_with_the_epilogue_only(case):
+    if case.eps is None:  # the defaults, not passed: norm_eps 1e-5, gate_activation "silu"
+        step = mc.build(case, DEVICE)
+        before = mc.snapshot(step)
+        args, kw = mc.call_args(case, step.t, step.out)
+        del kw["norm_eps"], kw["gate_activation"]
+        fn = cudelta.kda_decode if case.kind == "kda" else cudelta.gdn_decode
+        out = fn(*args, step.state, step.t["idx"], **kw)
+        mc.synchronize(DEVICE)
+        mc.check(case, step, before, out)
+    else:
+        mc.check_fused_epilogue(case, DEVICE)
+
+
+# vLLM's call, and dense tokens with checkpoints in KDA on the other layout
+FUSED = [mc.Case(seed=510),
+         mc.Case(kind="kda", tokens="T4", slots="ckpt", layout="kv", state="fp32", epilogue="sigmoid", seed=511)]
+
+
+@pytest.mark.parametrize("case", FUSED, ids=mc.case_id)
+def test_the_fused_epilogue_is_the_reference_s_epilogue_of_the_unfused_output(case):
+    mc.check_fused_epilogue(case, DEVICE)
+
+
+# vLLM's pages with other conv state and padding sizes, at Qwen3-Next's heads.
+PAGES = [mc.Case(H=16, N=12, tokens="T4", layout=layout, state=state, conv_bytes=conv, pad_bytes=pad,
+                 kind=kind, seed=520 + i)
+         for i, (layout, state, conv, pad, kind) in enumerate([
+             ("kv", "fp32", 4096, 16, "gdn"), ("vk", "bf16", 4096, 528, "gdn"),
+             ("vk", "fp32", 1024, 4096 + 16, "kda"), ("kv", "bf16", 6144, 256, "kda")])]
+
+
+@pytest.mark.parametrize("case", PAGES, ids=mc.case_id)
+def test_vllm_s_padded_pool_equals_a_contiguous_pool_bit_for_bit(case):
+    # check() compares every byte of the pages outside the written state blocks: the conv states, the
+    # padding, the slots not written
+    pages = mc.build(case, DEVICE)
+    before = mc.snapshot(pages)
+    assert pages.state.stride(0) > pages.state[0].numel()
+    out = mc.call(case, pages)
+    dense = mc.build(replace(case, pool="contiguous"), DEVICE)  # the same values: the pages are drawn after them
+    assert torch.equal(dense.state, before.state.to(DEVICE))
+    dense_out = mc.call(case, dense)
+    mc.synchronize(DEVICE)
+    mc.check(case, pages, before, out)
+    assert torch.equal(out, dense_out) and torch.equal(pages.state, dense.state)
+
+
+def packed_mtp_args(step: mc.Step) -> dict:
+    """vllm_compat.fused_gdn_decode_post_conv_mtp's arguments from a built varlen call: q, k, v and
+    the output gate as views of one mixed_qkvz projection, as vLLM's GDN layer hands them over."""
+    t = step.t
+    L, HV, D = t["v"].shape
+    q, k, v, z = (t[n].flatten(1) for n in ("q", "k", "v", "z"))
+    mixed_qkvz = torch.cat([q, k, v, z], dim=1)
+    qkv = q.shape[1] + k.shape[1] + v.shape[1]
+    return dict(mixed_qkv=mixed_qkvz[:, :qkv], a=t["a"], b=t["b"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                state_indices=t["idx"], cu_seqlens=t["cu_seqlens"], num_accepted_tokens=t["accepted"],
+                state=step.state, output_gate=mixed_qkvz[:, qkv:].view(L, HV, D), norm_weight=t["w"], out=step.out,
+                norm_eps=step.case.eps, output_gate_activation=step.case.epilogue)
+
+
+# (state dtype, activation, HV / H): vLLM's op takes HV / H in {1, 2, 3, 4, 8}
+VLLM_DROP_IN = [("bf16", "silu", 2), ("fp32", "sigmoid", 3), ("bf16", "sigmoid", 8), ("fp32", "silu", 1),
+                ("bf16", "silu", 4)]
+
+
+@pytest.mark.parametrize("state,activation,group", VLLM_DROP_IN)
+def test_vllm_mtp_drop_in_on_cuda_equals_the_same_call_on_cpu(state, activation, group):
+    case = mc.Case(state=state, epilogue=activation, group=group, out="buffer" if group % 2 else "new",
+                   seed=530 + group)
+    gpu, cpu = mc.build(case, DEVICE), mc.build(case, "cpu")
+    before = mc.snapshot(gpu)
+    out = vllm_compat.fused_gdn_decode_post_conv_mtp(**packed_mtp_args(gpu))
+    out_cpu = vllm_compat.fused_gdn_decode_post_conv_mtp(**packed_mtp_args(cpu))
+    mc.synchronize(DEVICE)
+    mc.check(case, gpu, before, out)
+    mc.compare(case, gpu, out, cpu, out_cpu, before)
+
+
+def test_compile_fullgraph_of_a_multi_token_call_equals_eager():
+    case = mc.Case(seed=540)  # flat tokens, checkpoints, accepted tokens, the epilogue, vLLM's pages
+    eager, compiled = mc.build(case, DEVICE), mc.build(case, DEVICE)
+    before = mc.snapshot(eager)
+    fn = cudelta.kda_decode if case.kind == "kda" else cudelta.gdn_decode
+
+    def step(t, state, out):
+        args, kw = mc.call_args(case, t, out)
+        return fn(*args, state, t["idx"], **kw)
+
+    out = torch.compile(step, fullgraph=True)(compiled.t, compiled.state, compiled.out)
+    expected = step(eager.t, eager.state, eager.out)
+    torch.cuda.synchronize()
+    assert torch.equal(compiled.out, expected) and torch.equal(out, expected)  # written into out=, and returned
+    assert torch.equal(compiled.storage, eager.storage)
+    mc.check(case, eager, before, expected)
+
+
+# vLLM's call (token counts change between the two inputs), and dense tokens in KDA on the other layout
+GRAPHED = [mc.Case(seed=550), mc.Case(kind="kda", tokens="T3", layout="kv", state="fp32", pool="contiguous",
+                                      epilogue="sigmoid", gates="pre", seed=552)]
+
+
+@pytest.mark.parametrize("case", GRAPHED, ids=mc.case_id)
+def test_cuda_graph_replay_with_new_inputs_copied_in_gives_the_new_result(case):
+    static = mc.build(case, DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, on a pool of its own
+        mc.call(case, mc.build(case, DEVICE))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mc.call(case, static)
+    # the inputs it was captured with
+    eager = mc.build(case, DEVICE)
+    expected = mc.call(case, eager)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected) and torch.equal(static.storage, eager.storage)
+    # new values of every input (slots, accepted tokens and token counts included) and a new pool, copied into
+    # the captured buffers
+    new = replace(case, seed=case.seed + 1)
+    fresh = mc.build(new, DEVICE)
+    for name, x in static.t.items():
+        if x is not None:
+            x.copy_(fresh.t[name])
+    static.storage.copy_(fresh.storage)
+    before = mc.snapshot(static)
+    assert not torch.equal(fresh.t["idx"], eager.t["idx"])
+    expected = mc.call(new, fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected) and torch.equal(static.storage, fresh.storage)
+    mc.check(new, static, before, out)
