@@ -40,17 +40,10 @@ struct MtpShape {
   static_assert(NV >= 1 && NK >= 1 && (VK || BW % E == 0), "multi-token tile shape");
 };
 
-#ifndef CUDELTA_MTP_MINB
-#define CUDELTA_MTP_MINB 1
-#endif
-#ifndef CUDELTA_MTP_WIDE
-#define CUDELTA_MTP_WIDE 64
-#endif
-#ifndef CUDELTA_MTP_NARROW
-#define CUDELTA_MTP_NARROW 4
-#endif
-constexpr int64_t kMtpWideWarpsPerSm = CUDELTA_MTP_WIDE;
-constexpr int64_t kMtpNarrowWarps = CUDELTA_MTP_NARROW;
+// The streaming kernel's launch (launch_mtp_stream): a warp a chunk while the grid's warps number
+// at most kMtpWideWarpsPerSm an SM, else kMtpNarrowWarps a block.
+constexpr int64_t kMtpWideWarpsPerSm = 64;
+constexpr int64_t kMtpNarrowWarps = 4;
 
 template <typename Sh, bool VK>
 __device__ __forceinline__ int key_of(int lane, int b) {
@@ -375,7 +368,7 @@ __device__ __forceinline__ void raw_widen(const RawTile<VK, K, ST>& t,
 }
 
 template <bool VK, int K, typename ST, bool PER_CHANNEL>
-__global__ void __launch_bounds__(512, CUDELTA_MTP_MINB) decode_mtp_stream_kernel(const GdnDecodeParams p) {
+__global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
   using Sh = StreamShape<VK, K, ST>;
   constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV, R = kStreamRows, TS = kStreamTokens;
   static_assert(NV <= LPR && (NV & (NV - 1)) == 0, "one row a lane after the butterfly");
@@ -617,6 +610,10 @@ template <bool VK, int K, typename ST>
 int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
   // More checkpoint columns than a pass stages: only the resident kernel carries the state across.
   if (p.idx_columns > kStreamTokens) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
+  // One token a request in a grid of at most two heads per SM (the epilogue alone, small batches):
+  // the resident kernel has the shorter path (no staging, one barrier), and streaming gains nothing.
+  const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
+  if (p.tokens == 1 && p.cu_seqlens == nullptr && p.N * p.HV <= 2 * sms) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
   return launch_mtp_stream<VK, K, ST>(p, stream);
 }
 
