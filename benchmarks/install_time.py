@@ -96,7 +96,7 @@ def pip_version(spec: str) -> str:
 def detection_times(base: e2e.Venv, repeat: int) -> tuple[float, float]:
     """(cold: a fresh interpreter importing the installer and detecting, in-process: detect() again)."""
     code = ("import time; t0 = time.perf_counter()\n"
-            "from installer.detect import detect; from installer.settings import Settings\n"
+            "from installer.detect.detect import detect; from installer.core.settings import Settings\n"
             "detect(Settings()); t1 = time.perf_counter(); detect(Settings()); t2 = time.perf_counter()\n"
             "print(t1 - t0, t2 - t1)")
     cold, warm = [], []

@@ -87,7 +87,7 @@ std::string variants_for(int cuda_arch) {
 std::string fix_command(int cc) {
   const std::string env =
       "FORCE_BUILD=1 TORCH_CUDA_ARCH_LIST=" + std::to_string(cc / 10) + "." + std::to_string(cc % 10) + " ";
-  // kReinstallParts: the hint split where the variables go (installer/build_record.py).
+  // kReinstallParts: the hint split where the variables go (installer/compile/build_record.py).
   std::string command = kReinstallParts[0];
   for (size_t i = 1; i < sizeof(kReinstallParts) / sizeof(kReinstallParts[0]); ++i) command += env + kReinstallParts[i];
   return command;

@@ -1,6 +1,6 @@
 """The build record, `cudelta/_build_info.json`: what a build compiled, read by everything after it.
 
-Written once, by installer/build_record.py, beside the library (and embedded in it: the
+Written once, by installer/compile/build_record.py, beside the library (and embedded in it: the
 `cudelta::build_info` op returns the same JSON). Read only through `parse` here: by the loader
 (cudelta/_native.py) before dlopen, by `python -m cudelta`, by the release tooling
 (release/make_release.py: the manifest) and by the wheel checks (release/check_wheel.py).
@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterable, Mapping, Tuple
 SCHEMA = 2
 FILENAME = "_build_info.json"
 # The commands that replace an unusable install, pip's and uv's: the loader's messages
-# (cudelta/_native.py), `python -m cudelta` and, through build_info.h (installer/build_record.py),
+# (cudelta/_native.py), `python -m cudelta` and, through build_info.h (installer/compile/build_record.py),
 # the library's own (csrc/ops.cpp). They touch cudelta only: without --no-deps a forced reinstall
 # also reinstalls torch (gigabytes, and PyPI's default build in place of a +cuXYZ one). Without
 # the cache, pip and uv build the sdist again rather than reuse a wheel built for another machine.
@@ -122,5 +122,5 @@ def read(path: Path, required: Iterable[str] = tuple(FIELDS)) -> Dict[str, Any]:
 
 
 def dumps(record: Mapping[str, Any]) -> str:
-    """The file's text (installer/build_record.py writes it; the library embeds the same keys)."""
+    """The file's text (installer/compile/build_record.py writes it; the library embeds the same keys)."""
     return json.dumps(dict(record), indent=1, sort_keys=True) + "\n"

@@ -4,10 +4,10 @@ pip and uv cache the wheel an sdist built, so the choice made on one machine (a 
 runner, an image build) can be installed, unbuilt, on another (a GPU host). The record keeps what
 the choice was made from, so that the installed package can tell, at run time and without the
 installer, whether this machine would have chosen differently: `stale()` here is that rule, and
-the GPU-coverage and preference rules it needs are the installer's own (installer/choose.py and
-installer/cuda.py use the functions below), so the two cannot disagree.
+the GPU-coverage and preference rules it needs are the installer's own (installer/choose/choose.py and
+installer/core/cuda.py use the functions below), so the two cannot disagree.
 
-Written by installer/install_record.py (which loads this file by path and validates every record
+Written by installer/choose/install_record.py (which loads this file by path and validates every record
 with `parse`), read by the loader (cudelta/_native.py), `python -m cudelta` and the tests.
 Standard library only, and no import of the package: build tooling loads this file by path.
 

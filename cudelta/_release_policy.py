@@ -4,7 +4,7 @@ Read by the release matrix (release/matrix.py), the build (installer/: archs, fl
 GCC of each toolkit), the release assets and their checks (release/make_release.py,
 release/check_wheel.py), the dry run (release/dry_run.py) and the loader's driver guard
 (cudelta/_native.py). Standard library only and no import of the package: the installer loads
-this file by path (installer/shipped.py), where torch may not be installed; it ships in the wheel
+this file by path (installer/core/shipped.py), where torch may not be installed; it ships in the wheel
 because the run time applies the driver-floor rule too.
 
 Adding a CUDA version: CUDA_VERSIONS and its MAX_GCC_FOR_CUDA entry (tests/unit/test_release_policy.py

@@ -1,8 +1,8 @@
 """setuptools commands: `bdist_wheel` runs detect -> choose -> fetch -> verify -> install, else build.
 
 pip's build_wheel hook and the release matrix both end up here. This module is the setuptools
-glue only: what happens is decided once, up front (installer/plan.py), and said in one line; the
-fetch path is installer/prebuilt.py, the compile installer/local_build.py. Every user-facing
+glue only: what happens is decided once, up front (installer/choose/plan.py), and said in one line; the
+fetch path is installer/fetch/prebuilt.py, the compile installer/compile/local_build.py. Every user-facing
 failure is an InstallerError, printed without a traceback.
 """
 
@@ -18,13 +18,15 @@ from setuptools.errors import BaseError as SetuptoolsError  # distutils' Distuti
 from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
 from setuptools.command.sdist import sdist as _sdist
 
-from . import dead_end, install_record, local_build, native, platform_tag
-from .build_record import git_revision
+from . import dead_end
+from .choose import install_record
+from .choose.plan import Plan, plan_for
+from .compile import local_build, native, platform_tag
+from .compile.build_record import git_revision
+from .core.errors import InstallerError
+from .core.log import say
+from .core.settings import Settings
 from .dead_end import NoPrebuilt
-from .errors import InstallerError
-from .log import say
-from .plan import Plan, plan_for
-from .settings import Settings
 
 
 class bdist_wheel(_bdist_wheel):
@@ -115,7 +117,7 @@ class bdist_wheel(_bdist_wheel):
     def _try_prebuilt(self) -> Optional[NoPrebuilt]:
         """Install a verified prebuilt wheel (or the pure-Python one) into dist_dir; or return why
         none was used."""
-        from .prebuilt import install_prebuilt  # the download stack only where a download is planned
+        from .fetch.prebuilt import install_prebuilt  # the download stack only where a download is planned
 
         outcome = install_prebuilt(self._settings, self._target, self.distribution.get_version(),
                                    Path(self.dist_dir))
@@ -165,7 +167,7 @@ class bdist_wheel(_bdist_wheel):
 
 
 def _detect(settings: Settings):
-    from .detect import detect
+    from .detect.detect import detect
 
     return detect(settings)
 
@@ -182,7 +184,7 @@ class sdist(_sdist):
         stamp = Path(base_dir) / "installer" / "GIT_REVISION"
         stamp.unlink(missing_ok=True)  # may be a hard link into the source tree
         stamp.write_text(git_revision() + "\n")
-        from .prebuilt import EMBEDDED_MANIFEST
+        from .fetch.prebuilt import EMBEDDED_MANIFEST
 
         self._embed_release_manifest(Path(base_dir) / "installer" / EMBEDDED_MANIFEST.name)
 
@@ -190,7 +192,7 @@ class sdist(_sdist):
         """The release fan-in builds the sdist after the wheels, naming their manifest: it ships
         inside the sdist, so installs verify against
         what PyPI served."""
-        from .manifest import loads_manifest
+        from .choose.manifest import loads_manifest
 
         try:
             settings = Settings.from_env()

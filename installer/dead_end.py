@@ -4,7 +4,7 @@ An install is at a dead end when no prebuilt wheel was used (the download failed
 matches, FORCE_BUILD or CUDELTA_NO_BUILD) and this machine cannot compile either (no torch, a
 torch without CUDA, no nvcc), or a compile started and failed. pip shows the build's last lines
 and little else, so that line must say everything: the pure-Python wheel, a mirror, a compile
-with what it lacks (installer/local_build.compile_blockers), and the network cause. Pure: settings,
+with what it lacks (installer/compile/local_build.compile_blockers), and the network cause. Pure: settings,
 target and what happened in, text out.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from .settings import Settings
-from .target import TargetEnv
+from .core.settings import Settings
+from .core.target import TargetEnv
 
 PURE = "CUDELTA_DRIVER_CUDA=cpu installs the pure-Python wheel (its ops run the PyTorch reference)"
 _HOLDING = "holding this release's manifest.json and wheels"

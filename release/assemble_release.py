@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from installer.manifest import loads_manifest
-from installer.verify import sha256_file
+from installer.choose.manifest import loads_manifest
+from installer.fetch.verify import sha256_file
 
 from . import build_cell, make_release
 

@@ -5,7 +5,7 @@ What release.yml's build job runs inside the cell's manylinux_2_28 CUDA image, a
 release/dry_run.py runs here:
 
 1. refuse a toolkit mismatch: the nvcc this build would use must be the cell's CUDA version;
-2. refuse a build without the glibc floor (installer/glibc_floor.py needs zig: PyPI `ziglang`);
+2. refuse a build without the glibc floor (installer/compile/glibc_floor.py needs zig: PyPI `ziglang`);
 3. `CUDELTA_RELEASE_BUILD=1 python setup.py bdist_wheel` in a clean copy of the source tree (the
    tracked and unignored files, so a developer's build/ or dist/ never leaks in), with sccache in
    front of nvcc when `sccache` is on PATH and SCCACHE_DIR is set (CI keys that folder by CUDA
@@ -34,7 +34,7 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from installer.platform_tag import elf_machine
+from installer.compile.platform_tag import elf_machine
 
 from . import matrix
 
@@ -143,7 +143,7 @@ def check_arch(wheel: Path, arch: str) -> None:
     if machines != {arch} or not wheel.name.endswith(f"_{arch}.whl"):
         raise CellError(f"{wheel.name}: library for {', '.join(sorted(machines)) or 'nothing'}, cell {arch}; "
                         "the release tag must come from the library's arch ("
-                        "installer/local_build.py label_release_wheel, installer/platform_tag.py release_platform)")
+                        "installer/compile/local_build.py label_release_wheel, installer/compile/platform_tag.py release_platform)")
 
 
 def repair(wheel: Path, plat: str, out: Path, env: dict) -> Path:

@@ -54,7 +54,7 @@ from .wheel_parsers import (
     find_cuobjdump, first_line, native, parse_cuobjdump_list, parse_fatbin_headers, parse_wheel_filename,
     ptx_listing_name, record_problems,
 )
-from installer.toolchain import run_process
+from installer.detect.toolchain import run_process
 
 # --- the checks ---------------------------------------------------------------------------------
 

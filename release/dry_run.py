@@ -36,7 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from installer import shipped
+from installer.core import shipped
 
 from . import assemble_release, build_cell, check_wheel
 

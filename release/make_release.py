@@ -5,7 +5,7 @@
 writes into DIR (new or empty):
 
     <wheel>...                      the wheels, copied unchanged
-    manifest.json                   schema 1 (installer/manifest.py): name, size, sha256 and, from
+    manifest.json                   schema 1 (installer/choose/manifest.py): name, size, sha256 and, from
                                     each wheel's own cudelta/_build_info.json, CUDA toolkit, cubin
                                     archs, PTX, torch / Python / driver floors; platform from the name
     SHA256SUMS                      `sha256sum -c` format, covering the wheels and manifest.json
@@ -44,10 +44,11 @@ from urllib.parse import quote
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from installer import build_record, cuda, shipped
-from installer.errors import InstallerError
-from installer.manifest import Asset, Manifest, asset_to_dict, parse_asset, parse_manifest
-from installer.verify import sha256_file
+from installer.choose.manifest import Asset, Manifest, asset_to_dict, parse_asset, parse_manifest
+from installer.compile import build_record
+from installer.core import cuda, shipped
+from installer.core.errors import InstallerError
+from installer.fetch.verify import sha256_file
 
 PROJECT = "cudelta"
 POLICY = shipped.load("_release_policy")

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from installer import cuda, shipped
+from installer.core import cuda, shipped
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ from .wheel_parsers import (GLIBC_SONAMES, LIBRARY, MANYLINUX_LIBS, PACKAGE, PYT
                            TORCH_LIBS, ToolMissing, auditwheel_verdict, console_script, dist_version, first_line,
                            parse_defined, parse_needed, parse_objdump_versions, parse_unversioned, platform_glibc,
                            TOOL_TIMEOUT_S, symbol_version_check, version_tuple)
-from installer.toolchain import run_process
+from installer.detect.toolchain import run_process
 
 
 def python_tool(module: str, dist_name: str, script: str) -> list:
@@ -200,7 +200,7 @@ class LinkChecks:
         problems = []
         if cuda:
             problems.append(f"{', '.join(cuda)} NEEDED: the CUDA runtime must be linked statically "
-                            "(cudart_static, installer/native.py link_libraries) and the driver dlopen'ed")
+                            "(cudart_static, installer/compile/native.py link_libraries) and the driver dlopen'ed")
         if unexpected:
             problems.append(f"unexpected: {', '.join(unexpected)} (allowed: manylinux system libraries, "
                             f"{', '.join(sorted(TORCH_LIBS))})")

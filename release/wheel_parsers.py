@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from installer import build_record, cuda, native, platform_tag, shipped
+from installer.compile import build_record, native, platform_tag
+from installer.core import cuda, shipped
 
 from .matrix import ARCHS
 
 PACKAGE = "cudelta"
 LIBRARY = "cudelta/_C.abi3.so"
 BUILD_INFO = "cudelta/_build_info.json"
-# A release asset claims the manylinux_2_28 tag (installer/platform_tag.py release_platform), on either
-# arch: the build links against glibc 2.28 (installer/glibc_floor.py), and the glibc check holds the
+# A release asset claims the manylinux_2_28 tag (installer/compile/platform_tag.py release_platform), on either
+# arch: the build links against glibc 2.28 (installer/compile/glibc_floor.py), and the glibc check holds the
 # library to the tag it claims.
 EXPECTED_TAG = f"{native.PY_LIMITED_API_TAG}-abi3-{platform_tag.release_platform('x86_64')}"
 EXPECTED_TAG_RE = re.compile(rf"^{native.PY_LIMITED_API_TAG}-abi3-("
@@ -50,7 +51,7 @@ MANYLINUX_LIBS = {
     "libresolv.so.2", "libz.so.1", "ld-linux-x86-64.so.2",
 }
 # Loaded by `import torch` before our library (torch's own libraries). The CUDA runtime is linked
-# statically (installer/native.py) and finds the driver itself: neither libcudart nor libcuda may
+# statically (installer/compile/native.py) and finds the driver itself: neither libcudart nor libcuda may
 # be NEEDED, so one wheel loads under a CUDA 12 or 13 build of torch alike.
 TORCH_LIBS = {"libc10.so", "libc10_cuda.so", "libtorch.so", "libtorch_cpu.so", "libtorch_cuda.so"}
 

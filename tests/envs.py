@@ -91,7 +91,7 @@ def base_venv(name: str, packages: list[str]) -> Venv:
 
 
 
-# ziglang: the glibc 2.28 stubs every release link uses (installer/glibc_floor.py).
+# ziglang: the glibc 2.28 stubs every release link uses (installer/compile/glibc_floor.py).
 CU_PACKAGES = ["torch==2.14.1", *BUILD_REQS, "build", "ziglang==0.17.1"]
 CPU_PACKAGES = ["torch==2.13.0"]
 

@@ -1,5 +1,5 @@
 /* A stand-in for the NVIDIA driver's libcuda.so.1 on a machine without one, answering only the
- * calls the installer's detection makes (installer/detect.py, probe_driver) and the loader's check
+ * calls the installer's detection makes (installer/detect/detect.py, probe_driver) and the loader's check
  * of the install record (cudelta/_native.py, this_machine: the same calls). The GPU machine runs
  * the same detection against the real driver; this lets the end-to-end installs here exercise
  * the "driver visible" choice. Configured by environment:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import VERSION, clean_env, find_uv, run
 
-from installer.build_record import reader as build_record
+from installer.compile.build_record import reader as build_record
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from wheel.wheelfile import WheelFile
 
-from installer import build_record, plan, shipped
+from installer.choose import plan
+from installer.compile import build_record
+from installer.core import shipped
 
 POLICY = shipped.load("_release_policy")
 

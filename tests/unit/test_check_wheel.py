@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from installer import cuda
+from installer.core import cuda
 from release import check_wheel as cw
 
 # cuobjdump 13.x on a wheel built with nvcc 13.0 for sm_80, sm_90a, sm_100f, sm_120f + compute_120.

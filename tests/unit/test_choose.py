@@ -3,17 +3,17 @@ from dataclasses import replace
 import pytest
 from packaging.tags import Tag
 
-from installer.choose import (
+from installer.choose.choose import (
     Choice,
     choose,
     linux_platforms,
     target_platforms,
     target_tags,
 )
-from installer import cuda
-from installer.cuda import arch_covers, covering_arch
-from installer.manifest import Asset, Manifest
-from installer.target import Gpu, TargetEnv
+from installer.choose.manifest import Asset, Manifest
+from installer.core import cuda
+from installer.core.cuda import arch_covers, covering_arch
+from installer.core.target import Gpu, TargetEnv
 
 RELEASE_ARCHS = ("sm_80", "sm_90a", "sm_100f", "sm_120f")
 

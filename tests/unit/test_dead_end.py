@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
+from installer.compile.local_build import compile_blockers
+from installer.core.settings import Settings
+from installer.core.target import Gpu, TargetEnv
 from installer.dead_end import NoPrebuilt, final_line
-from installer.local_build import compile_blockers
-from installer.settings import Settings
-from installer.target import Gpu, TargetEnv
 
 LAPTOP = TargetEnv((3, 11), "cpython", "linux", "x86_64", glibc=(2, 35), torch_version="2.13.0+cpu",
                    nvcc_version=None)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from installer import detect as d
-from installer import cuda, driver, interpreter, toolchain, torch_files
-from installer.settings import Settings
-from installer.target import Gpu, TargetEnv
+from installer.core import cuda
+from installer.core.settings import Settings
+from installer.core.target import Gpu, TargetEnv
+from installer.detect import detect as d
+from installer.detect import driver, interpreter, toolchain, torch_files
 
 # The base venv with torch 2.14.1+cu130 that the build and e2e tests make (tests/envs.py base_cu),
 # when a previous run left it in the cache; this test does not make it.

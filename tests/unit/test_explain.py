@@ -7,9 +7,9 @@ import hashlib
 import json
 import zipfile
 
-from installer import prebuilt
-from installer.settings import Settings
-from installer.target import Gpu, TargetEnv
+from installer.core.settings import Settings
+from installer.core.target import Gpu, TargetEnv
+from installer.fetch import prebuilt
 from test_wheel_version import make_wheel
 
 TARGET = TargetEnv(python_version=(3, 11), implementation="cpython", os_name="linux", machine="x86_64",

@@ -14,9 +14,12 @@ import requests
 import responses
 from urllib3.response import HTTPResponse
 
-from installer import fetch
-from installer.errors import FetchError, VerificationError
-from installer.settings import Settings
+from installer.core.errors import FetchError, VerificationError
+from installer.core.settings import Settings
+from installer.fetch import fetch
+from installer.fetch.cache import LOCK_NAME, LOCK_OWNER_NAME
+from installer.fetch.transfer import RATE_WINDOW_S, CappedRetry, Transfer, TransferStopped
+from installer.fetch.urls import auth_headers, check_redirect, display_url
 
 NAME = "cudelta-0.1.0-cp310-abi3-manylinux_2_28_x86_64.whl"
 BODY = b"PK\x03\x04 not really a wheel " * 1000
@@ -105,8 +108,8 @@ def test_token_not_sent_to_a_mirror(tmp_path, mocked):
     ],
 )
 def test_auth_headers_only_for_github_over_https(url, sent):
-    assert fetch.auth_headers(url, TOKEN) == ({"Authorization": f"Bearer {TOKEN}"} if sent else {})
-    assert fetch.auth_headers(url, None) == {}
+    assert auth_headers(url, TOKEN) == ({"Authorization": f"Bearer {TOKEN}"} if sent else {})
+    assert auth_headers(url, None) == {}
 
 
 def test_404_is_a_fetch_error_naming_status_and_url(tmp_path, mocked):
@@ -212,7 +215,7 @@ def test_token_never_appears_in_errors(tmp_path, mocked):
 
 
 def test_display_url_drops_credentials_and_query():
-    shown = fetch.display_url("https://user:pa55@mirror.example:8443/a/b.whl?X-Amz-Signature=zz#f")
+    shown = display_url("https://user:pa55@mirror.example:8443/a/b.whl?X-Amz-Signature=zz#f")
     assert shown == "https://mirror.example:8443/a/b.whl"
 
 
@@ -397,7 +400,7 @@ def test_retry_policy_shape(tmp_path):
     assert not retry.raise_on_status and retry.respect_retry_after_header
     # urllib3 copies the policy on each attempt; the cap must survive the copy.
     later = retry.increment("GET", "/x", response=_response_with({"Retry-After": "30"}))
-    assert isinstance(later, fetch.CappedRetry) and later.max_retry_after == 60.0
+    assert isinstance(later, CappedRetry) and later.max_retry_after == 60.0
 
 
 def test_a_retry_after_beyond_the_cap_ends_the_retries_at_once(tmp_path):
@@ -530,10 +533,10 @@ def test_real_connection_refused(tmp_path):
 )
 def test_check_redirect(start, location, followed):
     if followed:
-        fetch.check_redirect(start, location)
+        check_redirect(start, location)
     else:
         with pytest.raises(FetchError, match="refusing the redirect"):
-            fetch.check_redirect(start, location)
+            check_redirect(start, location)
 
 
 def test_redirect_to_plain_http_elsewhere_is_refused_before_any_request_there(tmp_path, mocked):
@@ -591,7 +594,7 @@ class CountingRaw:
 
 
 def transfer(total, limit=None, logs=None, deadline=1e9, min_rate=0.0, window=20.0):
-    return fetch.Transfer(
+    return Transfer(
         NAME, total, limit=limit, too_long=lambda: VerificationError("too long"), deadline=deadline,
         deadline_s=300, min_rate=min_rate, window=window, read_timeout=30.0,
         log=(logs.append if logs is not None else lambda line: None))
@@ -652,7 +655,7 @@ def clock(monkeypatch):
 def test_a_trickle_below_the_minimum_rate_stops_once_the_window_has_passed(clock):
     raw = CountingRaw(b"x" * 1_400_000, step=1000, clock=clock, seconds_per_read=1.0)  # 1 KB/s
     t = transfer(1_400_000, min_rate=32_000, window=20.0)
-    with pytest.raises(fetch.TransferStopped) as info:
+    with pytest.raises(TransferStopped) as info:
         for _ in t.chunks(raw):
             pass
     assert clock.now - t.started == 20.0  # not 23 minutes
@@ -671,7 +674,7 @@ def test_the_rate_is_judged_on_the_last_window_not_since_the_start(clock):
         def read1(self, amt, decode_content=True):
             return fast.read1(amt) or slow.read1(amt)
 
-    with pytest.raises(fetch.TransferStopped, match="too slow"):
+    with pytest.raises(TransferStopped, match="too slow"):
         for _ in t.chunks(Both()):
             pass
     assert 30.0 < clock.now - t.started <= 35.0
@@ -685,7 +688,7 @@ def test_a_slow_but_sufficient_download_completes(clock):
 def test_the_deadline_stops_a_body_above_the_minimum_rate(clock):
     raw = CountingRaw(b"x" * 10_000_000, step=40_000, clock=clock, seconds_per_read=1.0)
     t = transfer(10_000_000, deadline=clock.now + 60, min_rate=32_000)
-    with pytest.raises(fetch.TransferStopped) as info:
+    with pytest.raises(TransferStopped) as info:
         for _ in t.chunks(raw):
             pass
     assert clock.now - t.started == 60.0
@@ -720,7 +723,7 @@ def test_retries_never_start_after_the_deadline(tmp_path, mocked):
 
 def test_the_retry_policy_of_a_fetch_carries_its_deadline(tmp_path):
     retry = make_fetcher(tmp_path).retry.new(deadline=123.0)
-    assert isinstance(retry, fetch.CappedRetry) and retry.deadline == 123.0
+    assert isinstance(retry, CappedRetry) and retry.deadline == 123.0
     assert retry.new(total=1).deadline == 123.0  # urllib3's copies keep it
 
 
@@ -730,8 +733,8 @@ def test_the_retry_policy_of_a_fetch_carries_its_deadline(tmp_path):
 def hold_lock(tmp_path, owner="pid 4242 on buildhost since 10:00:00\nverifying its cached copy of x.whl"):
     folder = tmp_path / "cache" / SHA
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / fetch.LOCK_OWNER_NAME).write_text(owner + "\n")
-    lock = fetch.filelock.FileLock(str(folder / fetch.LOCK_NAME))
+    (folder / LOCK_OWNER_NAME).write_text(owner + "\n")
+    lock = fetch.filelock.FileLock(str(folder / LOCK_NAME))
     lock.acquire(timeout=0)
     return lock
 
@@ -752,7 +755,7 @@ def test_a_held_lock_is_announced_bounded_and_bypassed(tmp_path, mocked):
                        f"which is verifying its cached copy of x.whl); downloading {NAME} into a private "
                        "temporary folder instead (the cache is left to the other install)")
     assert path.read_bytes() == BODY and path.name == NAME and folder not in path.parents
-    assert cache_entries(tmp_path) == [fetch.LOCK_OWNER_NAME]  # the holder's; nothing of ours
+    assert cache_entries(tmp_path) == [LOCK_OWNER_NAME]  # the holder's; nothing of ours
 
 
 def test_a_private_download_that_fails_leaves_nothing(tmp_path, mocked, monkeypatch):
@@ -795,7 +798,7 @@ def test_the_lock_owner_is_recorded_while_held_and_removed_after(tmp_path, mocke
     seen = []
 
     def body(request):
-        seen.append((tmp_path / "cache" / SHA / fetch.LOCK_OWNER_NAME).read_text())
+        seen.append((tmp_path / "cache" / SHA / LOCK_OWNER_NAME).read_text())
         return (200, {}, BODY)
 
     mocked.add_callback(responses.GET, MIRROR_URL, callback=body)
@@ -810,4 +813,4 @@ def test_the_settings_docs_state_the_window_the_fetcher_uses():
     import dataclasses
 
     docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(Settings)}
-    assert f"over any {fetch.RATE_WINDOW_S:g} s once a body has flowed for {fetch.RATE_WINDOW_S:g} s" in docs["http_min_rate"]
+    assert f"over any {RATE_WINDOW_S:g} s once a body has flowed for {RATE_WINDOW_S:g} s" in docs["http_min_rate"]

@@ -25,10 +25,11 @@ from typing import Iterator, List
 import pytest
 import requests
 
-from installer import fetch
-from installer.errors import FetchError
-from installer.fetch import LOCK_NAME, LOCK_OWNER_NAME, PARTIAL_PREFIX, Fetcher
-from installer.settings import Settings
+from installer.core.errors import FetchError
+from installer.core.settings import Settings
+from installer.fetch import fetch
+from installer.fetch.cache import LOCK_NAME, LOCK_OWNER_NAME, PARTIAL_PREFIX
+from installer.fetch.fetch import Fetcher
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_fetch_faults beside this file
@@ -256,8 +257,8 @@ CHILD = """
 import hashlib, sys
 from pathlib import Path
 import requests
-from installer.fetch import Fetcher
-from installer.settings import Settings
+from installer.core.settings import Settings
+from installer.fetch.fetch import Fetcher
 base, cache, name, sha, size = sys.argv[1:6]
 session = requests.Session()
 session.trust_env = False

@@ -19,9 +19,10 @@ from typing import Callable, List
 import pytest
 import requests
 
-from installer.errors import FetchError, VerificationError
-from installer.fetch import LOCK_NAME, LOCK_OWNER_NAME, PARTIAL_PREFIX, Fetcher
-from installer.settings import Settings
+from installer.core.errors import FetchError, VerificationError
+from installer.core.settings import Settings
+from installer.fetch.cache import LOCK_NAME, LOCK_OWNER_NAME, PARTIAL_PREFIX
+from installer.fetch.fetch import Fetcher
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_make_release beside this file
@@ -41,8 +42,8 @@ CHILD = """
 import sys
 from pathlib import Path
 import requests
-from installer.fetch import Fetcher
-from installer.settings import Settings
+from installer.core.settings import Settings
+from installer.fetch.fetch import Fetcher
 base, cache, name, sha, size = sys.argv[1:6]
 session = requests.Session()
 session.trust_env = False

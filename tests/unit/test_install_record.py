@@ -1,7 +1,7 @@
 """The install record: written from the installer's real choice, judged against another machine's facts.
 
 Each case below is a cached wheel meeting a machine: the record as the installer writes it (from
-installer/choose.py's Choice), this machine's facts, and the one line the loader says.
+installer/choose/choose.py's Choice), this machine's facts, and the one line the loader says.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from installer import cuda, install_record
-from installer.choose import choose
-from installer.manifest import Asset, Manifest
-from installer.target import Gpu, TargetEnv
+from installer.choose import install_record
+from installer.choose.choose import choose
+from installer.choose.manifest import Asset, Manifest
+from installer.core import cuda
+from installer.core.target import Gpu, TargetEnv
 
 reader = install_record.reader
 Machine = reader.Machine

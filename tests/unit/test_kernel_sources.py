@@ -3,17 +3,20 @@ that benchmarks/warp_sweep.cu shares live in a header)."""
 
 import re
 
-from installer import native
+from installer.compile import native
+from installer.core import shipped
+
+ROOT = shipped.SOURCE_ROOT
 
 
 def test_every_cuda_unit_is_compiled_and_every_source_exists():
-    on_disk = {p.relative_to(native.ROOT).as_posix() for p in (native.ROOT / "kernels").rglob("*.cu")}
+    on_disk = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kernels").rglob("*.cu")}
     assert set(native.SOURCES) == on_disk | {"csrc/ops.cpp"}
-    assert all((native.ROOT / source).is_file() for source in native.SOURCES)
+    assert all((ROOT / source).is_file() for source in native.SOURCES)
 
 
 def test_no_source_includes_a_cu_file():
-    sources = [p for folder in ("kernels", "csrc", "benchmarks") for p in (native.ROOT / folder).rglob("*")
+    sources = [p for folder in ("kernels", "csrc", "benchmarks") for p in (ROOT / folder).rglob("*")
                if p.suffix in (".cu", ".cuh", ".h", ".cpp")]
     including = [p.name for p in sources if re.search(r'^\s*#\s*include\s*"[^"]+\.cu"', p.read_text(), re.M)]
     assert sources and including == []

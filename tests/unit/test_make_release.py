@@ -16,7 +16,7 @@ from urllib.parse import quote, unquote, urljoin, urlsplit
 import pytest
 from wheel.wheelfile import WheelFile
 
-from installer.manifest import loads_manifest, parse_manifest
+from installer.choose.manifest import loads_manifest, parse_manifest
 from release import assemble_release, make_release
 
 ROOT = Path(__file__).resolve().parents[2]

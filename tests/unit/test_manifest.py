@@ -5,8 +5,8 @@ import pytest
 from packaging.tags import Tag
 from packaging.version import Version
 
-from installer.errors import InstallerError
-from installer.manifest import Manifest, asset_to_dict, loads_manifest, parse_asset, parse_manifest
+from installer.choose.manifest import Manifest, asset_to_dict, loads_manifest, parse_asset, parse_manifest
+from installer.core.errors import InstallerError
 
 NAME = "cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl"
 ASSET = {

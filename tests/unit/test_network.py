@@ -11,11 +11,11 @@ import requests
 import responses
 import trustme
 
-from installer import fetch, network
-from installer.errors import FetchError, SettingsError
-from installer.network import NetworkHints, Proxy, policy_from
-from installer.settings import Settings
-from installer.transfer import describe_error, status_hint
+from installer.core.errors import FetchError, SettingsError
+from installer.core.settings import Settings
+from installer.fetch import fetch, network
+from installer.fetch.network import NetworkHints, Proxy, policy_from
+from installer.fetch.transfer import describe_error, status_hint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_make_release beside this file
 from test_make_release import load_module  # noqa: E402

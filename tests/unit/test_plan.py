@@ -2,11 +2,13 @@
 
 import pytest
 
-from installer import cuda, native, shipped, toolchain
-from installer.plan import compile_archs, plan_for
-from installer.errors import InstallerError
-from installer.settings import Settings
-from installer.target import Gpu, TargetEnv
+from installer.choose.plan import compile_archs, plan_for
+from installer.compile import native
+from installer.core import cuda, shipped
+from installer.core.errors import InstallerError
+from installer.core.settings import Settings
+from installer.core.target import Gpu, TargetEnv
+from installer.detect import toolchain
 
 POLICY = shipped.load("_release_policy")
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from installer.platform_tag import glibc_versions, manylinux_tag, release_platform, required_glibc
+from installer.compile.platform_tag import glibc_versions, manylinux_tag, release_platform, required_glibc
 
 OBJDUMP = """
 0000000000000000      DF *UND*	0000000000000000 (GLIBC_2.34) dlsym
@@ -35,7 +35,7 @@ def _library(tmp_path, name: str, source: str) -> Path:
 def test_a_library_that_needs_older_glibc_still_claims_manylinux_2_28(tmp_path):
     # Its symbols would allow a lower tag, but the C++ runtime parts (GLIBCXX_3.4.21 from GCC >= 5)
     # need manylinux_2_24 by auditwheel's policy, and 2_28 is what release builds link against
-    # (installer/glibc_floor.py): the claim is never below that.
+    # (installer/compile/glibc_floor.py): the claim is never below that.
     lib = _library(tmp_path, "old", "int answer(void) { return 42; }\n")
     assert all(v < (2, 28) for v in glibc_versions(subprocess.run(["objdump", "-T", lib], capture_output=True,
                                                                    text=True, check=True).stdout))
@@ -53,15 +53,15 @@ def test_a_library_that_needs_newer_glibc_claims_what_it_needs(tmp_path):
 
 
 def test_the_release_links_against_the_glibc_it_claims():
-    from installer.glibc_floor import zig_target
-    from installer.platform_tag import MANYLINUX_FLOOR
+    from installer.compile.glibc_floor import zig_target
+    from installer.compile.platform_tag import MANYLINUX_FLOOR
 
     assert zig_target("x86_64").endswith(f".{MANYLINUX_FLOOR[0]}.{MANYLINUX_FLOOR[1]}")
     assert release_platform("aarch64").startswith(f"manylinux_{MANYLINUX_FLOOR[0]}_{MANYLINUX_FLOOR[1]}_")
 
 
 def test_unversioned_required_symbols_and_defined_ones():
-    from installer.platform_tag import defined_symbols, unversioned_undefined
+    from installer.compile.platform_tag import defined_symbols, unversioned_undefined
 
     text = OBJDUMP + ("0000000000000000      D  *UND*\t0000000000000000  Base        fstat64\n"
                       "0000000000000000  w   D  *UND*\t0000000000000000  Base        __gmon_start__\n")
@@ -72,7 +72,7 @@ def test_unversioned_required_symbols_and_defined_ones():
 def test_elf_machine_reads_the_header(tmp_path):
     import struct
 
-    from installer.platform_tag import elf_machine
+    from installer.compile.platform_tag import elf_machine
 
     for machine, name in ((62, "x86_64"), (183, "aarch64")):
         lib = tmp_path / f"{name}.so"
@@ -80,7 +80,7 @@ def test_elf_machine_reads_the_header(tmp_path):
         assert elf_machine(lib) == name
 
 
-# --- installer/glibc_floor.py: the release link against glibc 2.28 ------------------------------
+# --- installer/compile/glibc_floor.py: the release link against glibc 2.28 ------------------------------
 
 ZIG_VERBOSE_COLD = """\
 ld.lld -shared -soname libm.so.6 -o /c/o/aa/libm.so.6 /c/o/aa/m.s
@@ -93,7 +93,7 @@ ld.lld --error-limit=0 -m elf_x86_64 -o probe /c/o/11/crt1.o --dynamic-linker /l
 def test_the_stubs_come_from_zigs_last_link_line():
     from pathlib import Path
 
-    from installer.glibc_floor import parse_zig_link_line
+    from installer.compile.glibc_floor import parse_zig_link_line
 
     found = parse_zig_link_line(ZIG_VERBOSE_COLD)  # the first line links a stub itself (cold cache)
     assert found["libc.so.6"] == Path("/c/o/aa/libc.so.6")
@@ -103,7 +103,7 @@ def test_the_stubs_come_from_zigs_last_link_line():
 
 
 def test_the_stub_folder_makes_libc_a_linker_script_with_nonshared_and_the_loader(tmp_path):
-    from installer.glibc_floor import parse_zig_link_line, stub_folder
+    from installer.compile.glibc_floor import parse_zig_link_line, stub_folder
 
     out = stub_folder(parse_zig_link_line(ZIG_VERBOSE_COLD), tmp_path / "stubs")
     script = (out / "libc.so").read_text()
@@ -115,8 +115,8 @@ def test_the_stub_folder_makes_libc_a_linker_script_with_nonshared_and_the_loade
 def test_zig_targets_and_a_missing_stub(tmp_path):
     import pytest
 
-    from installer.errors import InstallerError
-    from installer.glibc_floor import stub_folder, zig_target
+    from installer.compile.glibc_floor import stub_folder, zig_target
+    from installer.core.errors import InstallerError
 
     assert zig_target("x86_64") == "x86_64-linux-gnu.2.28"
     assert zig_target("arm64") == "aarch64-linux-gnu.2.28"
@@ -127,7 +127,7 @@ def test_zig_targets_and_a_missing_stub(tmp_path):
 
 
 def test_without_zig_the_extension_is_left_alone_and_the_log_says_why(tmp_path, monkeypatch):
-    from installer import glibc_floor
+    from installer.compile import glibc_floor
 
     class Ext:
         library_dirs = ["/torch/lib"]
@@ -141,7 +141,5 @@ def test_without_zig_the_extension_is_left_alone_and_the_log_says_why(tmp_path, 
 
 
 def test_release_wheels_are_tagged_for_the_arch_they_were_built_on():
-    from installer.local_build import release_platform
-
     assert release_platform("x86_64") == "manylinux_2_28_x86_64"
     assert release_platform("aarch64") == "manylinux_2_28_aarch64"

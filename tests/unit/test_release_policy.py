@@ -7,8 +7,10 @@ import importlib
 
 import pytest
 
-from installer import build_record, cuda, native, shipped, toolchain
-from installer.errors import InstallerError
+from installer.compile import build_record, native
+from installer.core import cuda, shipped
+from installer.core.errors import InstallerError
+from installer.detect import toolchain
 from release import dry_run, make_release, matrix
 
 POLICY = shipped.load("_release_policy")

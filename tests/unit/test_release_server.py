@@ -14,10 +14,11 @@ import pytest
 import requests
 import urllib3
 
-from installer.errors import FetchError, VerificationError
-from installer.fetch import PARTIAL_PREFIX, Fetcher
-from installer.manifest import parse_manifest
-from installer.settings import Settings
+from installer.choose.manifest import parse_manifest
+from installer.core.errors import FetchError, VerificationError
+from installer.core.settings import Settings
+from installer.fetch.cache import PARTIAL_PREFIX
+from installer.fetch.fetch import Fetcher
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_make_release beside this file

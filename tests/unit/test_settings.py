@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from installer import cuda
-from installer.errors import SettingsError
-from installer.settings import Settings, documented_variables
+from installer.core import cuda
+from installer.core.errors import SettingsError
+from installer.core.settings import Settings, documented_variables
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -17,9 +17,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from installer import cuda
-from installer.errors import SettingsError
-from installer.settings import Settings
+from installer.core import cuda
+from installer.core.errors import SettingsError
+from installer.core.settings import Settings
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 THIS_FILE = str(Path(__file__).resolve())  # a regular file, not executable

@@ -2,8 +2,8 @@ import hashlib
 
 import pytest
 
-from installer import verify
-from installer.errors import VerificationError
+from installer.core.errors import VerificationError
+from installer.fetch import verify
 
 DATA = b"wheel bytes " * 100_000  # > 1 MiB: several chunks
 DIGEST = hashlib.sha256(DATA).hexdigest()

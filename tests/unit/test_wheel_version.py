@@ -5,7 +5,7 @@ import pytest
 from packaging.version import InvalidVersion
 from wheel.wheelfile import WheelFile
 
-from installer.wheel_version import retag_version, with_local_label
+from installer.core.wheel_version import retag_version, with_local_label
 
 
 def make_wheel(tmp_path, version="0.1.0+cu130"):

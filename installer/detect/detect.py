@@ -29,11 +29,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
-from . import cuda
+from ..core import cuda
+from ..core.settings import Settings
+from ..core.target import TargetEnv
 from .driver import probe_driver, probe_nvidia_smi
 from .interpreter import InterpreterFacts, normalise_os, probe_in_process, run_probe
-from .settings import Settings
-from .target import TargetEnv
 from .toolchain import probe_host_compiler, probe_nvcc
 from .torch_files import read_torch
 

@@ -1,6 +1,6 @@
 """The download cache's folder discipline: files appear whole and verified, or not at all; the lock
 says who holds it and what it is doing; a cache that cannot hold a file says why, in words that
-name the fix. installer/fetch.py holds the lock and decides what to fetch.
+name the fix. installer/fetch/fetch.py holds the lock and decides what to fetch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The manylinux tag a built library can honestly claim: the newest glibc symbol version it needs.
 
-A release build links against glibc 2.28 (installer/glibc_floor.py, on any host) and needs nothing
+A release build links against glibc 2.28 (installer/compile/glibc_floor.py, on any host) and needs nothing
 newer than GLIBC_2.28, so it is tagged manylinux_2_28; a build that could not (no zig: dlsym moved
 to libc in 2.34, libstdc++ headers reach for __libc_single_threaded from 2.32) gets the tag its host's
 glibc forces, instead of a claim that would make pip install a library that fails to load on an
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 # The lowest tag a release claims: manylinux_2_28, what release builds link against
-# (installer/glibc_floor.py). Lower would not be honest even where the glibc symbols allow it: the
+# (installer/compile/glibc_floor.py). Lower would not be honest even where the glibc symbols allow it: the
 # C++ runtime parts (GLIBCXX_3.4.21 from GCC >= 5) need manylinux_2_24 by auditwheel's policy, and
 # 2_28 is the floor the project documents and checks (release/check_wheel.py).
 MANYLINUX_FLOOR = (2, 28)

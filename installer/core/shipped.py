@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent / "cudelta"
+# The source tree, or the unpacked sdist: cudelta/, installer/, csrc/ and kernels/ side by side.
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIR = SOURCE_ROOT / "cudelta"
 
 
 def load(stem: str) -> ModuleType:

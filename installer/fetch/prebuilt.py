@@ -11,18 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
-from . import install_record
-from .choose import choose
-from .errors import FetchError, VerificationError
-from .fetch import Fetcher, asset_url, display_url
-from .log import say
-from .manifest import Manifest, loads_manifest, parse_manifest
-from .settings import Settings
-from .target import TargetEnv
-from .wheel_version import public_version, retag_version
+from ..choose import install_record
+from ..choose.choose import choose
+from ..choose.manifest import Manifest, loads_manifest, parse_manifest
+from ..core import shipped
+from ..core.errors import FetchError, VerificationError
+from ..core.log import say
+from ..core.settings import Settings
+from ..core.target import TargetEnv
+from ..core.wheel_version import public_version, retag_version
+from .fetch import Fetcher
+from .urls import asset_url, display_url
 
 MANIFEST_NAME = "manifest.json"
-EMBEDDED_MANIFEST = Path(__file__).resolve().parent / "release_manifest.json"
+# Beside the installer's sources in the sdist (commands.sdist writes it; release/assemble_release.py checks it).
+EMBEDDED_MANIFEST = shipped.SOURCE_ROOT / "installer" / "release_manifest.json"
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from . import cuda, shipped
+from ..core import cuda, shipped
+from ..core.target import TargetEnv
 from .manifest import Asset
-from .target import TargetEnv
 
 reader = shipped.load("_install_record")
 SCHEMA: int = reader.SCHEMA
@@ -42,7 +42,7 @@ def _asset_facts(asset: Asset) -> Dict[str, Any]:
 
 
 def prebuilt(target: TargetEnv, choice, source: Mapping[str, str]) -> Dict[str, Any]:
-    """The record of a verified release asset; `choice` is installer.choose.Choice, `source` where
+    """The record of a verified release asset; `choice` is installer.choose.choose.Choice, `source` where
     it came from (asset, sha256, url, manifest)."""
     record = {
         "schema": SCHEMA, "kind": "prebuilt", "reason": choice.reason, "machine": machine_facts(target),

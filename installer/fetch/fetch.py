@@ -39,10 +39,11 @@ import filelock
 import requests
 from urllib3.exceptions import HTTPError
 
-from .cache import (  # noqa: F401  (PARTIAL_PREFIX: part of what callers know from here)
+from ..core.errors import FetchError, VerificationError
+from ..core.log import say
+from ..core.settings import Settings
+from .cache import (
     LOCK_NAME,
-    LOCK_OWNER_NAME,
-    PARTIAL_PREFIX,
     DiskError,
     Holder,
     LockOwner,
@@ -54,15 +55,11 @@ from .cache import (  # noqa: F401  (PARTIAL_PREFIX: part of what callers know f
     unusable_words,
     write_verified,
 )
-from .errors import FetchError, VerificationError
-from .log import say
 from .network import NetworkAdapter, policy_from
-from .settings import Settings
-from .transfer import (  # noqa: F401  (CappedRetry, RATE_WINDOW_S: part of what callers know from here)
+from .transfer import (
     PROGRESS_AFTER_S,
     PROGRESS_EVERY_S,
     RATE_WINDOW_S,
-    CappedRetry,
     Transfer,
     TransferStopped,
     amount,
@@ -95,7 +92,7 @@ class Fetcher:
 
     A `session` given by the caller (tests) gets the retrying network adapter mounted for http and
     https and its trust_env turned off, so the retry policy, the proxies and the certificates of
-    installer/network.py hold whatever the session. The keyword arguments
+    installer/fetch/network.py hold whatever the session. The keyword arguments
     after it exist for tests (small bounds, no backoff); an install uses the defaults.
     """
 

@@ -1,6 +1,6 @@
 """One HTTP body read within the fetch's bounds, the retry policy, and errors in words.
 
-installer/fetch.py drives these: `Transfer` reads a response body against the deadline and the
+installer/fetch/fetch.py drives these: `Transfer` reads a response body against the deadline and the
 minimum rate, printing progress; `CappedRetry` is urllib3's retry with GitHub's rate limits in
 mind; `describe_error` turns any requests/urllib3 exception into one line a person can act on.
 """

@@ -2,7 +2,7 @@
 
 Pure functions build the flag lists; `extension()` is the one place that imports torch (only a
 local compile gets there, in a process that can see the target's torch). Arch targets are
-installer/cuda.py's; the toolchain checks are installer/toolchain.py's.
+installer/core/cuda.py's; the toolchain checks are installer/detect/toolchain.py's.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .cuda import ArchTarget
-from .errors import InstallerError
+from ..core import shipped
+from ..core.cuda import ArchTarget
+from ..core.errors import InstallerError
 
-ROOT = Path(__file__).resolve().parent.parent
 # kernels/units/ holds one file per layout and state dtype (every build of those kernels), so ninja
 # compiles them in parallel; a unit added there is compiled without being listed here.
 SOURCES = ("csrc/ops.cpp", "kernels/dispatch.cu", "kernels/probe.cu",
-           *sorted(f"kernels/units/{unit.name}" for unit in (ROOT / "kernels" / "units").glob("*.cu")))
+           *sorted(f"kernels/units/{unit.name}" for unit in (shipped.SOURCE_ROOT / "kernels" / "units").glob("*.cu")))
 
 # The release archs and the torch floor are the release policy's (cudelta/_release_policy.py).
 # TORCH_TARGET_VERSION encodes major << 56 | minor << 48: the policy's TORCH_FLOOR, the oldest torch
@@ -95,9 +95,9 @@ def extension(archs: Sequence[ArchTarget], *, compress: bool, jobs: int, header_
     ext.libraries = link_libraries(ext.libraries)
     if release_build:  # Settings.release_build, read once by the caller
         # Release assets link against glibc 2.28 (manylinux_2_28) whatever this host runs; the
-        # why and how are in installer/glibc_floor.py. A local build targets this machine only.
+        # why and how are in installer/compile/glibc_floor.py. A local build targets this machine only.
         from . import glibc_floor
-        from .log import say
+        from ..core.log import say
 
         say(glibc_floor.apply(ext, Path(header_dir).parent / "glibc-floor"))
     return ext

@@ -18,14 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List
 
-from . import build_record, native, platform_tag, shipped, toolchain
-from .errors import InstallerError
-from .log import say
-from .plan import compile_archs
-from .platform_tag import release_platform
-from .settings import Settings
-from .target import TargetEnv
-from .wheel_version import retag_version, with_local_label
+from ..choose.plan import compile_archs
+from ..core import shipped
+from ..core.errors import InstallerError
+from ..core.log import say
+from ..core.settings import Settings
+from ..core.target import TargetEnv
+from ..core.wheel_version import retag_version, with_local_label
+from ..detect import toolchain
+from . import build_record, native, platform_tag
 
 @dataclass(frozen=True)
 class Compile:
@@ -110,7 +111,7 @@ def label_release_wheel(dist: Path, version: str, libraries: Iterable[Path], cud
     libraries = list(libraries)
     # The library's own ELF header names the CPU: the release matrix builds each arch natively.
     machine = platform_tag.elf_machine(libraries[0]) if libraries else "x86_64"
-    floor = release_platform(machine)
+    floor = platform_tag.release_platform(machine)
     glibc = platform_tag.required_glibc(libraries)
     platform = platform_tag.manylinux_tag(glibc, machine) if glibc else None
     if platform != floor:

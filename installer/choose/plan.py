@@ -1,8 +1,8 @@
 """The build's first decision, and what a local compile builds for. Pure: settings and target in.
 
     pure     no native code at all (not Linux, or CUDELTA_DRIVER_CUDA=cpu): the pure-Python wheel
-    fetch    look for a verified prebuilt wheel (installer/prebuilt.py), else compile
-    compile  FORCE_BUILD / CUDELTA_RELEASE_BUILD: compile, never download (installer/local_build.py)
+    fetch    look for a verified prebuilt wheel (installer/fetch/prebuilt.py), else compile
+    compile  FORCE_BUILD / CUDELTA_RELEASE_BUILD: compile, never download (installer/compile/local_build.py)
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-from . import cuda
-from . import shipped
+from ..core import cuda, shipped
+from ..core.settings import Settings
+from ..core.target import TargetEnv
 from .choose import pure_python_reason
-from .settings import Settings
-from .target import TargetEnv
 
 
 @dataclass(frozen=True)

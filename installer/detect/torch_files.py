@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
-from . import cuda
+from ..core import cuda
 from .interpreter import InterpreterFacts
 
 # libc10 is small (MBs) and carries std::string in hundreds of exported signatures; the

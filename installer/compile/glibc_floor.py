@@ -30,7 +30,7 @@ Local builds for the user's own machine need no floor and never come here. In a 
 image the host glibc is 2.28 already and the floor changes nothing, but the same link is used so
 that every release cell builds the same way. Without zig (neither `python -m ziglang` nor `zig` on
 PATH) a release build says so and links against the host glibc; the tag then says what it needs
-(installer/platform_tag.py) and check_wheel refuses it as a release asset.
+(installer/compile/platform_tag.py) and check_wheel refuses it as a release asset.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .errors import InstallerError
+from ..core.errors import InstallerError
 
 GLIBC_FLOOR = (2, 28)
 # Stub sonames the link may need (-lc, -lm from the compiler driver; rt, pthread, dl from the static
@@ -52,7 +52,7 @@ GLIBC_FLOOR = (2, 28)
 STUB_LIBS = ("c", "m", "pthread", "dl", "rt", "resolv", "util")
 LOADER_STUB_RE = r"libld\.so\.\d+"  # zig's name for the ld-linux stub (its soname is the real loader's)
 COMPAT_SOURCE = (
-    "/* installer/glibc_floor.py: libstdc++ headers of glibc >= 2.32 read this; 2.28 has none. */\n"
+    "/* installer/compile/glibc_floor.py: libstdc++ headers of glibc >= 2.32 read this; 2.28 has none. */\n"
     '__attribute__((visibility("hidden"))) char __libc_single_threaded = 0;\n'
 )
 
@@ -113,7 +113,7 @@ def stub_folder(libs: Dict[str, Path], out: Path) -> Path:
                 group.append(str(libs["libc_nonshared.a"]))
             group += [f"AS_NEEDED ( {path} )" for name, path in sorted(libs.items())
                       if re.fullmatch(LOADER_STUB_RE, name)]
-            dst.write_text("/* glibc %d.%d stubs, installer/glibc_floor.py */\nGROUP ( %s )\n"
+            dst.write_text("/* glibc %d.%d stubs, installer/compile/glibc_floor.py */\nGROUP ( %s )\n"
                            % (*GLIBC_FLOOR, " ".join(group)))
         else:
             dst.symlink_to(matches[0])

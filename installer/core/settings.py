@@ -37,10 +37,10 @@ DEADLINE_RANGE_S = (1.0, 86400.0)
 MIN_RATE_MAX_KBPS = 1_000_000.0
 # Retries back off exponentially within one deadline: past a few dozen they cannot happen.
 MAX_HTTP_RETRIES = 100
-# An nvcc job of this build peaks near 1.5 GiB (installer/native.py): 1024 jobs need 1.5 TiB.
+# An nvcc job of this build peaks near 1.5 GiB (installer/compile/native.py): 1024 jobs need 1.5 TiB.
 MAX_JOBS_LIMIT = 1024
 # Drivers report their CUDA version (nvidia-smi's header, cuDriverGetVersion) since 10.0 (R410),
-# and the version's minor is one digit: the wheel label cu130 is 13.0 (installer/cuda.py).
+# and the version's minor is one digit: the wheel label cu130 is 13.0 (installer/core/cuda.py).
 DRIVER_CUDA_FLOOR = (10, 0)
 DRIVER_CUDA_MAJOR_MAX = 99
 # A URL's length: RFC 9110 asks servers to take at least 8000 octets in the request line.
@@ -472,7 +472,7 @@ class Settings:
         "the build log; `python -m cudelta` shows the same after the install.",
     )
     # pip's and the networking libraries' own variables, read here so that the downloader reaches
-    # the release the way pip reaches PyPI (installer/network.py holds the policy).
+    # the release the way pip reaches PyPI (installer/fetch/network.py holds the policy).
     pip_cert: Optional[Path] = _setting(
         "PIP_CERT", parse=parse_ca_path,
         doc="pip's: a CA bundle to trust for downloads, added to the system trust store (first of "

@@ -19,10 +19,10 @@ from typing import Dict, List, Optional, Tuple
 from packaging.tags import Tag, compatible_tags, cpython_tags, generic_tags
 from packaging.version import InvalidVersion, Version
 
-from . import cuda
-from .cuda import covering_arch, preference, runnable_images
+from ..core import cuda
+from ..core.cuda import covering_arch, preference, runnable_images
+from ..core.target import TargetEnv
 from .manifest import Asset, Manifest
-from .target import TargetEnv
 
 PURE_PYTHON_TAIL = "installing the pure-Python wheel (ops run the PyTorch reference path)"
 

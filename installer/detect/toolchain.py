@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Tuple
 
-from . import cuda, shipped
-from .errors import InstallerError
+from ..core import cuda, shipped
+from ..core.errors import InstallerError
 
 TOOL_TIMEOUT_S = 10.0
 DEFAULT_CUDA_ROOT = "/usr/local/cuda"

@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 from requests.adapters import HTTPAdapter
 
-from .settings import Settings
+from ..core.settings import Settings
 from .urls import display_url, is_loopback
 
 # The order a CA file is taken in: the first one set wins (see the module docstring).
@@ -197,7 +197,7 @@ def _load(context: Any, path: Path) -> None:
 class NetworkAdapter(HTTPAdapter):
     """requests' adapter with the policy's proxy for each hop and its TLS context everywhere.
 
-    The session's trust_env is off (installer/fetch.py): requests would otherwise read the proxy
+    The session's trust_env is off (installer/fetch/fetch.py): requests would otherwise read the proxy
     and CA variables itself, behind settings.py's back and in its own order.
     """
 

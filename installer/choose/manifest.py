@@ -22,8 +22,8 @@ from packaging.tags import Tag
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from . import cuda
-from .errors import InstallerError
+from ..core import cuda
+from ..core.errors import InstallerError
 
 SCHEMA = 1
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .errors import VerificationError
+from ..core.errors import VerificationError
 
 CHUNK_SIZE = 1 << 20
 

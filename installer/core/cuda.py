@@ -6,7 +6,7 @@
     code arch 'sm_90a', 'compute_120'       what a fatbin holds: a cubin or PTX
 
 A leaf: it imports nothing from installer/ but the by-path loader of the rules it shares with the
-run time (installer/shipped.py), so every module there and every script can use it.
+run time (installer/core/shipped.py), so every module there and every script can use it.
 A string that is not what it should be raises ValueError; each caller words it for its own user.
 """
 
@@ -49,7 +49,7 @@ def format_version(version: CudaVersion) -> str:
 
 @dataclass(frozen=True)
 class DriverOverride:
-    """CUDELTA_DRIVER_CUDA, parsed once (installer/settings.py): the driver CUDA version to choose a
+    """CUDELTA_DRIVER_CUDA, parsed once (installer/core/settings.py): the driver CUDA version to choose a
     wheel for, or None for `cpu` (the pure-Python wheel)."""
 
     version: Optional[CudaVersion]

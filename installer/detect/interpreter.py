@@ -11,8 +11,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from . import shipped
-from .target import PROBE
+from ..core import shipped
+from ..core.target import PROBE
 
 _shared = shipped.load("_install_record")
 

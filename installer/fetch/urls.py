@@ -10,7 +10,7 @@ from typing import Optional
 from urllib.parse import quote, urlparse, urlunparse
 from urllib.request import url2pathname
 
-from .errors import FetchError
+from ..core.errors import FetchError
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 # The token raises GitHub's rate limit; any other host (a mirror, the storage host GitHub

@@ -10,8 +10,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from . import cuda
-from .target import Gpu
+from ..core import cuda
+from ..core.target import Gpu
 from .toolchain import run_tool
 
 NVIDIA_SMI_TIMEOUT_S = 5.0
