@@ -1,19 +1,32 @@
-"""Fetch vLLM's flash-linear-attention decode ops for the benchmark, without installing vLLM.
+"""Fetch vLLM's GDN/KDA decode ops for the benchmarks, without installing vLLM.
 
-    python benchmarks/fetch_vllm_ops.py [--version 0.33.0] [--dest .peers/vllm_fla]
+    python benchmarks/fetch_vllm_ops.py [--version 0.33.0] [--cache /tmp/vllm-wheel] [--no-cuda-op]
 
-Downloads vLLM's wheel from PyPI (`pip download vllm --no-deps`), extracts only the modules the
-recurrent decode kernels need (the GDN packed decode: ops/fused_recurrent.py, op.py, utils.py; the
-KDA packed decode vLLM runs for Kimi models: kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py)
-into an ignored folder (/.peers/ in .gitignore: peer code is never committed), and writes small
-stand-ins for the vLLM modules they import (vllm.triton_utils, vllm.platforms, vllm.utils.math_utils).
-The device tool carries the folder to the GPU machine (`carry: [".peers"]`); kernel_bench.py puts it
-on sys.path.
+Downloads vLLM's wheel from PyPI (`pip download vllm --no-deps`; 336 MB for 0.33.0, kept in --cache
+when given, so a second run downloads nothing) and extracts into ignored folders (/.peers/ in
+.gitignore: peer code is never committed):
+
+- .peers/vllm_fla: the Triton modules the recurrent decode kernels need (the GDN packed decode:
+  ops/fused_recurrent.py, op.py, utils.py; the GDN MTP step's Triton port,
+  ops/fused_gdn_decode_post_conv_mtp.py; the KDA packed decode vLLM runs for Kimi models:
+  kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py), with small stand-ins for the vLLM
+  modules they import (vllm.triton_utils, vllm.platforms, vllm.utils.math_utils,
+  vllm.utils.platform_utils);
+- .peers/cuda_op/vllm_C_stable.so.xz: vLLM's compiled ops, vllm/_C_stable_libtorch.abi3.so (92 MB;
+  the GDN MTP step's CUDA op `torch.ops._C.fused_gdn_decode_post_conv_mtp` lives there), its symbol
+  table stripped when `strip` keeps the op's registration, xz-compressed (x86 filter, preset 9e:
+  about 60 MiB, one minute or two of one core). The folder holds nothing else big, so the device tool
+  can carry it alone (`carry: [".peers/cuda_op", ".peers/vllm_fla"]`: its 64 MiB carry limit counts
+  the working tree too). mtp_bench.py decompresses it with Python's lzma and loads it.
+
+kernel_bench.py and mtp_bench.py put .peers/vllm_fla on sys.path.
 """
 
 from __future__ import annotations
 
 import argparse
+import lzma
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,7 +36,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SRC = "vllm/third_party/flash_linear_attention/ops/"
 KDA = "vllm/models/kimi_k3/nvidia/ops/third_party/kda/"
-MODULES = (SRC + "fused_recurrent.py", SRC + "op.py", SRC + "utils.py", KDA + "fused_recurrent.py")
+MODULES = (SRC + "fused_recurrent.py", SRC + "op.py", SRC + "utils.py", SRC + "fused_gdn_decode_post_conv_mtp.py",
+           KDA + "fused_recurrent.py")
+CUDA_OP_SO = "vllm/_C_stable_libtorch.abi3.so"
+CUDA_OP_FILE = "vllm_C_stable.so.xz"
+# The op's schema string, registered by the library's static initialisers: a stripped copy must keep it.
+CUDA_OP_SCHEMA = b"fused_gdn_decode_post_conv_mtp(Tensor mixed_qkv"
+# x86 branch filter then LZMA2 at its strongest: 0.5 MB smaller than `xz -9` on this library, whose
+# bulk (62 of 92 MB) is CUDA fat binaries that are compressed already.
+XZ_FILTERS = [{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}]
 
 SHIMS = {
     "vllm/__init__.py": '"""Stand-in package: only what the extracted fla ops import."""\n',
@@ -64,6 +85,12 @@ current_platform = _CudaPlatform()
         "def cdiv(a: int, b: int) -> int:\n    return -(a // -b)\n\n\n"
         "def next_power_of_2(n: int) -> int:\n    return 1 if n < 1 else 1 << (n - 1).bit_length()\n"
     ),
+    # The MTP Triton port sizes its value tiles by the SM count (vLLM asks current_platform).
+    "vllm/utils/platform_utils.py": (
+        "import torch\n\n\n"
+        "def num_compute_units(device_id: int = 0) -> int:\n"
+        "    return torch.cuda.get_device_properties(device_id).multi_processor_count\n"
+    ),
     # The package __init__s import the chunked prefill too; the packed decode needs none of it.
     "vllm/models/__init__.py": "",
     "vllm/models/kimi_k3/__init__.py": "",
@@ -74,30 +101,93 @@ current_platform = _CudaPlatform()
 }
 
 
+def find_wheel(version: str, folder: Path) -> Path | None:
+    return next(iter(sorted(folder.glob(f"vllm-{version}-*.whl"))), None)
+
+
+def download_wheel(version: str, folder: Path) -> Path:
+    """vLLM's wheel in folder: the one already there, else `pip download`'s."""
+    wheel = find_wheel(version, folder)
+    if wheel is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps",
+                        "--only-binary=:all:", "-d", str(folder)], check=True)
+        wheel = find_wheel(version, folder)
+        if wheel is None:
+            raise SystemExit(f"fetch_vllm_ops: pip download left no vllm-{version}-*.whl in {folder}")
+    return wheel
+
+
+def extract_modules(zf: zipfile.ZipFile, dest: Path) -> None:
+    for name in MODULES:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(zf.read(name))
+    license_name = SRC.rsplit("ops/", 1)[0] + "LICENSE"
+    (dest / license_name).write_bytes(zf.read(license_name))
+    for rel, text in SHIMS.items():
+        path = dest / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def stripped(library: Path, work: Path) -> Path:
+    """A copy of library without its symbol table (`strip --strip-unneeded`: the dynamic symbols the
+    loader needs stay), or library itself where strip is missing, fails, or loses the op's schema."""
+    if shutil.which("strip") is None:
+        print("fetch_vllm_ops: no `strip` on PATH; compressing the library as shipped", file=sys.stderr)
+        return library
+    copy = work / "stripped.so"
+    shutil.copyfile(library, copy)
+    done = subprocess.run(["strip", "--strip-unneeded", str(copy)], capture_output=True, text=True)
+    if done.returncode != 0 or CUDA_OP_SCHEMA not in copy.read_bytes():
+        print(f"fetch_vllm_ops: strip did not keep {CUDA_OP_SCHEMA.decode()}... ({done.stderr.strip()}); "
+              "compressing the library as shipped", file=sys.stderr)
+        return library
+    return copy
+
+
+def extract_cuda_op(zf: zipfile.ZipFile, dest: Path) -> Path:
+    """dest/vllm_C_stable.so.xz from the wheel's _C_stable_libtorch library; returns its path."""
+    with tempfile.TemporaryDirectory(prefix="fetch-vllm-op-") as tmp:
+        library = Path(tmp) / "vllm_C_stable.so"
+        library.write_bytes(zf.read(CUDA_OP_SO))
+        if CUDA_OP_SCHEMA not in library.read_bytes():
+            raise SystemExit(f"fetch_vllm_ops: {CUDA_OP_SO} does not register {CUDA_OP_SCHEMA.decode()}...: this "
+                             "vLLM version has no fused GDN MTP op")
+        small = stripped(library, Path(tmp))
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / CUDA_OP_FILE
+        partial = target.with_suffix(".partial")
+        with open(small, "rb") as src, lzma.open(partial, "wb", format=lzma.FORMAT_XZ, filters=XZ_FILTERS) as out:
+            shutil.copyfileobj(src, out, 1 << 24)
+        partial.replace(target)
+        mib = 1 << 20
+        print(f"vLLM's CUDA ops: {CUDA_OP_SO} {library.stat().st_size / mib:.1f} MiB, "
+              f"{'stripped ' + format(small.stat().st_size / mib, '.1f') + ' MiB, ' if small != library else ''}"
+              f"xz {target.stat().st_size / mib:.1f} MiB in {target}")
+    return target
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", default="0.33.0")
     parser.add_argument("--dest", type=Path, default=ROOT / ".peers" / "vllm_fla")
-    parser.add_argument("--wheel", type=Path, help="use this vLLM wheel instead of downloading one")
+    parser.add_argument("--cuda-op-dest", type=Path, default=ROOT / ".peers" / "cuda_op",
+                        help="folder for vllm_C_stable.so.xz (keep nothing else big in it)")
+    parser.add_argument("--no-cuda-op", action="store_true", help="skip the CUDA library (only the Triton modules)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--wheel", type=Path, help="use this vLLM wheel instead of downloading one")
+    source.add_argument("--cache", type=Path, help="download the wheel into this folder and keep it there "
+                        "(a wheel already there is used as is)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        wheel = args.wheel
-        if wheel is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", f"vllm=={args.version}", "--no-deps",
-                            "--only-binary=:all:", "-d", tmp], check=True)
-            wheel = next(Path(tmp).glob("vllm-*.whl"))
+    with tempfile.TemporaryDirectory(prefix="fetch-vllm-") as tmp:
+        wheel = args.wheel or download_wheel(args.version, args.cache or Path(tmp))
         with zipfile.ZipFile(wheel) as zf:
-            for name in MODULES:
-                target = args.dest / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(zf.read(name))
-            license_name = SRC.rsplit("ops/", 1)[0] + "LICENSE"
-            (args.dest / license_name).write_bytes(zf.read(license_name))
-    for rel, text in SHIMS.items():
-        path = args.dest / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    print(f"vLLM {args.version} GDN and KDA decode ops in {args.dest} (from {wheel.name})")
+            extract_modules(zf, args.dest)
+            print(f"vLLM {args.version} GDN and KDA decode ops in {args.dest} (from {wheel.name})")
+            if not args.no_cuda_op:
+                extract_cuda_op(zf, args.cuda_op_dest)
     return 0
 
 

@@ -41,8 +41,8 @@ SHAPES = {"qwen3-next": (16, 32), "kimi-linear": (32, 32)}
 CALLS, REPLAYS = 50, 5
 
 
-def graph_us(fn, sets: int) -> float:
-    """Per-call time from a CUDA graph of CALLS calls (rotating over `sets` inputs), best of REPLAYS."""
+def graph_us(fn, sets: int, calls: int = CALLS) -> float:
+    """Per-call time from a CUDA graph of `calls` calls (rotating over `sets` inputs), best of REPLAYS."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -52,7 +52,7 @@ def graph_us(fn, sets: int) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(CALLS):
+        for i in range(calls):
             fn(i % sets)
     graph.replay()
     torch.cuda.synchronize()
@@ -63,7 +63,7 @@ def graph_us(fn, sets: int) -> float:
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / CALLS)
+        best = min(best, start.elapsed_time(end) * 1000 / calls)
     return best
 
 
