@@ -14,8 +14,8 @@ so that "T=1 + epilogue within 5% of T=1 decode alone" reads off the T=1 column.
 checks the targets. The tables go to --out too, the merged and per-process numbers to --out's .json.
 
 Implementations (the first three take the same call, the same tensors):
-- cudelta: cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp (vLLM's signature). This release's
-  kernels lack the MTP step: it raises NotSupportedOnCUDAError, shown as a skip, not a crash.
+- cudelta: cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp (vLLM's signature): the multi-token
+  kernels (kernels/mtp.cuh). A NotSupportedOnCUDAError (older releases) shows as a skip, not a crash.
 - vLLM CUDA: torch.ops._C.fused_gdn_decode_post_conv_mtp from vLLM's wheel
   (.peers/cuda_op/*.so.xz, decompressed with lzma into a temporary folder, torch.ops.load_library).
 - vLLM Triton: fused_gdn_decode_post_conv_mtp_triton (.peers/vllm_fla), what vLLM runs on ROCm.

@@ -610,10 +610,11 @@ template <bool VK, int K, typename ST>
 int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
   // More checkpoint columns than a pass stages: only the resident kernel carries the state across.
   if (p.idx_columns > kStreamTokens) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
-  // One token a request in a grid of at most two heads per SM (the epilogue alone, small batches):
-  // the resident kernel has the shorter path (no staging, one barrier), and streaming gains nothing.
+  // About one token a request (rows <= requests: the epilogue alone, or vLLM's MTP call at T = 1) in
+  // a grid of at most two heads per SM: the resident kernel has the shorter path there (no staging,
+  // one barrier), and streaming gains nothing. Either kernel computes any call; this is speed only.
   const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
-  if (p.tokens == 1 && p.cu_seqlens == nullptr && p.N * p.HV <= 2 * sms) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
+  if (p.L <= p.N && p.N * p.HV <= 2 * sms) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
   return launch_mtp_stream<VK, K, ST>(p, stream);
 }
 
