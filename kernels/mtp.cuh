@@ -40,8 +40,8 @@ struct MtpShape {
   static_assert(NV >= 1 && NK >= 1 && (VK || BW % E == 0), "multi-token tile shape");
 };
 
-// The streaming kernel's launch (launch_mtp_stream): a warp a chunk while the grid's warps number
-// at most kMtpWideWarpsPerSm an SM, else kMtpNarrowWarps a block.
+// The streaming kernel's launch (launch_mtp_stream): more warps a block while the grid's warps
+// number at most kMtpWideWarpsPerSm an SM, else kMtpNarrowWarps a block.
 constexpr int64_t kMtpWideWarpsPerSm = 64;
 constexpr int64_t kMtpNarrowWarps = 4;
 
@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   // decay (KDA), and per token beta, k.q and the head's decay (GDN); the epilogue's outputs and sums.
   __shared__ float s_k[TS][K], s_q[TS][K], s_d[PER_CHANNEL ? TS : 1][PER_CHANNEL ? K : 1];
   __shared__ float s_beta[TS], s_qk[TS], s_decay[TS], s_rstd[TS];
-  __shared__ float s_o[TS][256];
+  __shared__ float s_o[TS][256], s_v[TS][256];
   pdl_enter();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int group = lane - lane % LPR, mine = (lane % LPR) / F;
@@ -419,18 +419,11 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   ST* const src = pool + start * p.state_stride_p + hv * block;
   const uint32_t a_log_bits = load_a_log_bits(p, hv);
   const int chunks = V / R;
-  // A chunk's state and its rows' v for the pass's tokens: loaded one chunk ahead, and the first
-  // chunk before the tokens are staged, so that its round trip overlaps the staging's.
+  // A chunk's state, loaded one chunk ahead, and the first chunk before the tokens are staged, so
+  // that its round trip overlaps the staging's.
   RawTile<VK, K, ST> next;
-  uint32_t next_v[TS];
-  auto prefetch = [&](int c, int64_t g0) {
-    raw_load<VK, K, ST>(p, src, c * R, lane, next);
-    const int row = c * R + row_of<Sh, VK>(lane, mine);
-#pragma unroll
-    for (int t = 0; t < TS; ++t)
-      next_v[t] = g0 + t < len ? load_bits(p.v, p.dtype, (bos + g0 + t) * p.v_stride_n + hv * p.v_stride_h + row) : 0u;
-  };
-  if (warp < chunks) prefetch(warp, 0);
+  auto prefetch = [&](int c) { raw_load<VK, K, ST>(p, src, c * R, lane, next); };
+  if (warp < chunks) prefetch(warp);
 
   for (int64_t g0 = 0; g0 < len; g0 += TS) {
     const int tg = static_cast<int>(len - g0 < TS ? len - g0 : TS);
@@ -466,6 +459,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         d_bits[0] = load_decay_bits(p, tok, hv, -1);
       }
       const uint32_t beta_bits = load_beta_bits(p, tok, hv);
+      for (int v = lane; v < V; v += 32) s_v[t][v] = load_f(p.v, p.dtype, tok * p.v_stride_n + hv * p.v_stride_h + v);
       float qv[KL], kv[KL];
       widen_all<KL>(qb, p.dtype, qv);
       widen_all<KL>(kb, p.dtype, kv);
@@ -501,14 +495,12 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
       const int v0 = c * R;
       float hs[NV][NK];
       raw_widen<VK, K, ST>(next, hs);
-      uint32_t v_bits[TS];
-#pragma unroll
-      for (int t = 0; t < TS; ++t) v_bits[t] = next_v[t];
-      if (c + warps < chunks) prefetch(c + warps, g0);
+      if (c + warps < chunks) prefetch(c + warps);
       const int my_row = v0 + row_of<Sh, VK>(lane, mine);
-#pragma unroll
-      for (int t = 0; t < TS; ++t) {
-        if (t >= tg) break;
+      // Not unrolled: the body is the kernel's bulk, and eight copies of it cost the release 2.5x its
+      // compile time and size for no measured speed (benchmarks/results-h100-mtp.md).
+#pragma unroll 1
+      for (int t = 0; t < tg; ++t) {
         float kk[NK], kd[NK], qd[NK], dec[NK];
 #pragma unroll
         for (int b = 0; b < NK; ++b) {
@@ -530,7 +522,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
           }
         }
         butterfly<NV, LPR / 2>(pk, pq, lane);
-        const float u_mine = s_beta[t] * (widen_bits(v_bits[t], p.dtype) - pk[0]);
+        const float u_mine = s_beta[t] * (s_v[t][my_row] - pk[0]);
         const float o = rounded(pq[0] + u_mine * s_qk[t], p.dtype);
         if (writer) {
           if (epilogue) s_o[t][my_row] = o;
@@ -551,7 +543,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
       if (p.idx_columns == 0) tile_store<VK, K, ST, R>(p, src, v0, lane, hs);
     }
     // The next pass's first chunk: stored above by this same warp (idx [N]), read after it.
-    if (g0 + TS < len && warp < chunks) prefetch(warp, g0 + TS);
+    if (g0 + TS < len && warp < chunks) prefetch(warp);
 
     if (epilogue) {
       __syncthreads();
@@ -592,16 +584,18 @@ int launch_mtp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
                        p, stream);
 }
 
-// Streaming kernel: a warp a chunk while the whole grid's warps fit on the GPU a few times over
-// (small batches: latency), else 4 warps a block, each streaming several chunks (the loads of the
-// next chunk overlap this one's work).
 template <bool VK, int K, typename ST>
 int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
   const unsigned requests = static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
   const int64_t chunks = p.V / kStreamRows, sms = p.sm_count > 0 ? p.sm_count : 132;
-  const int64_t wide = chunks < 16 ? chunks : 16;  // the launch bound: 512 threads
-  const int64_t warps = p.N * p.HV * chunks <= kMtpWideWarpsPerSm * sms ? wide : kMtpNarrowWarps;
+  // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
+  // then 8 warps a block, each two chunks; past kMtpWideWarpsPerSm warps an SM, 4 (H100, bench:
+  // benchmarks/results-h100-mtp.md).
+  const int64_t grid_warps = p.N * p.HV * chunks;
+  const int64_t wide = chunks < 16 ? chunks : 16;
+  const int64_t warps = grid_warps <= 16 * sms ? wide : grid_warps <= kMtpWideWarpsPerSm * sms ? (wide < 8 ? wide : 8)
+                                                                                              : kMtpNarrowWarps;
   return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(warps) * 32), p,
                        stream);
 }
