@@ -167,12 +167,12 @@ print("pages unchanged:", torch.equal(pages, before))
 def test_the_op_refuses_a_pool_it_cannot_address_by_name(case):
     if case == "block not contiguous":
         dtype, pad, tweak = "float32", 528, "t['state'] = t['state'].transpose(2, 3)"
-        message = ("cudelta.gdn_decode: state's slot block [HV, V, K] must be contiguous (strides (16384, 128, 1)); "
+        message = ("cudelta.decode: state's slot block [HV, V, K] must be contiguous (strides (16384, 128, 1)); "
                    "got strides (16384, 1, 128) for shape [6, 4, 128, 128]")
     else:
         sd, pad, elements, stride_bytes = MISALIGNED[0] if case == "misaligned fp32" else MISALIGNED[1]
         dtype, tweak = str(sd).split(".")[-1], ""
-        message = "cudelta.gdn_decode: " + REFUSAL.format(e=elements, b=stride_bytes)
+        message = "cudelta.decode: " + REFUSAL.format(e=elements, b=stride_bytes)
     script = OP_SCRIPT.format(here=str(Path(__file__).parent), dtype=dtype, pad=pad, tweak=tweak)
     proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-800:]
