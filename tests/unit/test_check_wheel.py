@@ -9,6 +9,7 @@ import zipfile
 
 import pytest
 
+from installer.compile import native
 from installer.compile.platform_tag import defined_symbols, required_symbol_versions, unversioned_undefined
 from installer.core import cuda
 from release import wheel_parsers as wp
@@ -295,9 +296,10 @@ def test_fatbin_payload_sizes_reads_stored_and_decompressed_sizes():
 def test_wheel_level_checks_on_a_synthetic_wheel(tmp_path):
     """wheel-tag, version-label, metadata, record and build-info need no external tool."""
     version = "0.1.0+cu130"
-    info = {"archs": ["sm_80", "sm_90a", "sm_100f", "sm_120f"], "ptx": ["compute_120"], "build": "release",
-            "cuda_toolkit": "13.0", "variant": "cu130", "version": "0.1.0", "fatbin_compression": True,
-            "torch_floor": "2.10", "python_floor": "3.10"}
+    release = native.parse_archs(wp.POLICY.RELEASE_ARCHS)  # whatever the policy ships (test_plan.py pins the list)
+    info = {"archs": [a.cubin for a in release], "ptx": [a.ptx_name for a in release if a.ptx_name],
+            "build": "release", "cuda_toolkit": "13.0", "variant": "cu130", "version": "0.1.0",
+            "fatbin_compression": True, "torch_floor": wp.POLICY.TORCH_FLOOR, "python_floor": wp.POLICY.PYTHON_FLOOR}
     files = {
         "cudelta/_C.abi3.so": b"\x7fELF",
         "cudelta/_build_info.json": json.dumps(info).encode(),
