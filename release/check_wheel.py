@@ -46,15 +46,16 @@ from email.parser import HeaderParser
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .wheel_audits import LinkChecks, ToolChecks, auditwheel_verdict, host_glibc_symbols  # noqa: F401  (re-exported)
-from .wheel_parsers import *  # noqa: F401,F403  (re-exported: tests and callers use check_wheel.X)
+from installer.compile import build_record, native
+from installer.core import cuda
+from installer.detect.toolchain import run_process
+
+from .wheel_audits import LinkChecks, ToolChecks
 from .wheel_parsers import (
     BUILD_INFO, CHECK_NAMES, EXPECTED_TAG_RE, FAIL, INFO, LIBRARY, PACKAGE, PASS, POLICY, PYTHON_FLOOR, TOOL_TIMEOUT_S, Check,
-    ToolMissing, build_record, coverage, cuda, dist_version, elf_listing_name, elf_sections, fatbin_payload_sizes,
-    find_cuobjdump, first_line, native, parse_cuobjdump_list, parse_fatbin_headers, parse_wheel_filename,
-    ptx_listing_name, record_problems,
+    ToolMissing, coverage, dist_version, elf_listing_name, elf_sections, fatbin_payload_sizes, find_cuobjdump, first_line,
+    parse_cuobjdump_list, parse_fatbin_headers, parse_wheel_filename, ptx_listing_name, record_problems,
 )
-from installer.detect.toolchain import run_process
 
 # --- the checks ---------------------------------------------------------------------------------
 

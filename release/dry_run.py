@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 from installer.core import shipped
 
 from . import assemble_release, build_cell, check_wheel
+from .wheel_parsers import FAIL, PASS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,7 @@ def run(out: Path, python: str, src: Path, reuse_wheel: Optional[Path] = None) -
             shutil.copyfile(reuse_wheel, wheel)
         build_s = time.monotonic() - started
         checks, tools = check_wheel.check_wheel(wheel)
-        failed = [c.name for c in checks if c.status == check_wheel.FAIL]
+        failed = [c.name for c in checks if c.status == FAIL]
         failures += [f"{wheel.name}: {name}" for name in failed]
         report = out.parent / f"{out.name}-checks.json"
         sdist = assemble_release.assemble(version, out, [wheel], python, src)
@@ -95,7 +96,7 @@ def run(out: Path, python: str, src: Path, reuse_wheel: Optional[Path] = None) -
     print("assets:")
     for path in sorted(p for p in out.rglob("*") if p.is_file()):
         print(f"  {str(path.relative_to(out)):<64} {human(path.stat().st_size):>10}")
-    passed = sum(c.status == check_wheel.PASS for c in checks)
+    passed = sum(c.status == PASS for c in checks)
     print(f"wheel checks: {passed} passed, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
     for c in checks:
         print(f"  {c.status:<4} {c.name:<18} {c.detail[:150]}")

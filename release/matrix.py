@@ -8,7 +8,8 @@
                                                             # the tag is pyproject.toml's version
 
 release.yml's `plan` job runs this and feeds `fromJSON(needs.plan.outputs.matrix)` to the build
-job, so adding a CUDA version or an arch is an edit here (and RELEASING.md says what else).
+job. The toolkits are the release policy's (cudelta/_release_policy.py CUDA_VERSIONS), the CPU
+archs are ARCHS here: adding a CUDA version is an edit there (ARCHITECTURE.md "Where changes go").
 tests/unit/test_workflows.py holds the workflows to it.
 
 Each cell: the toolkit, the arch, the GitHub runner (arm64 runners for aarch64: no emulation), the

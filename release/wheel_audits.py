@@ -21,11 +21,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .wheel_parsers import (GLIBC_SONAMES, LIBRARY, MANYLINUX_LIBS, PACKAGE, PYTHON_FLOOR, SYMBOL_VERSION_LIMITS,
-                           TORCH_LIBS, ToolMissing, auditwheel_verdict, console_script, dist_version, first_line,
-                           parse_defined, parse_needed, parse_objdump_versions, parse_unversioned, platform_glibc,
-                           TOOL_TIMEOUT_S, symbol_version_check, version_tuple)
+from installer.compile.platform_tag import defined_symbols, required_symbol_versions, unversioned_undefined
 from installer.detect.toolchain import run_process
+
+from .wheel_parsers import (GLIBC_SONAMES, LIBRARY, MANYLINUX_LIBS, PACKAGE, PYTHON_FLOOR, SYMBOL_VERSION_LIMITS,
+                           TOOL_TIMEOUT_S, TORCH_LIBS, ToolMissing, auditwheel_verdict, console_script, dist_version,
+                           first_line, parse_needed, platform_glibc, symbol_version_check, version_tuple)
 
 
 def python_tool(module: str, dist_name: str, script: str) -> list:
@@ -150,7 +151,7 @@ class LinkChecks:
 
     def check_glibc(self):
         self.require_library()
-        required = parse_objdump_versions(self.objdump("-T"))
+        required = required_symbol_versions(self.objdump("-T"))
         claimed = platform_glibc(self.name["platform"]) or SYMBOL_VERSION_LIMITS["GLIBC"]
         ok, report = symbol_version_check(required, ["GLIBC"], {"GLIBC": claimed})
         glibc = report["GLIBC"]
@@ -165,7 +166,7 @@ class LinkChecks:
 
     def check_libstdcxx(self):
         self.require_library()
-        required = parse_objdump_versions(self.objdump("-T"))
+        required = required_symbol_versions(self.objdump("-T"))
         families = ["GLIBCXX", "CXXABI", "GCC"]
         ok, report = symbol_version_check(required, families)
         parts = []
@@ -180,7 +181,7 @@ class LinkChecks:
 
     def check_glibc_binding(self):
         self.require_library()
-        unversioned = set(parse_unversioned(self.objdump("-T")))
+        unversioned = set(unversioned_undefined(self.objdump("-T")))
         glibc = host_glibc_symbols()
         if not glibc:
             raise ToolMissing("cannot read this host's glibc libraries (ldconfig -p, objdump)")
@@ -227,7 +228,7 @@ def host_glibc_symbols() -> set:
         exe = shutil.which("objdump")
         symbols: set = set()
         for path in paths.values() if exe else ():
-            symbols |= parse_defined(run_process([exe, "-T", path], timeout=60).stdout)
+            symbols |= defined_symbols(run_process([exe, "-T", path], timeout=60).stdout)
         _HOST_GLIBC = symbols
     return _HOST_GLIBC
 

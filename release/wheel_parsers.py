@@ -1,8 +1,7 @@
 """The pure parts of the wheel checks (release/check_wheel.py): constants, tool-output parsers,
 ELF and RECORD readers, and how the external tools are found and run. No check lives here.
 
-Tested on sample tool output by tests/unit/test_check_wheel.py (through check_wheel, which
-re-exports these names).
+Tested on sample tool output by tests/unit/test_check_wheel.py, which imports them from here.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from installer.compile import build_record, native, platform_tag
+from installer.compile import native, platform_tag
 from installer.core import cuda, shipped
 
 from .matrix import ARCHS
@@ -183,16 +182,6 @@ def parse_fatbin_headers(text: str) -> list[dict]:
         else:
             current = None
     return entries
-
-
-# `objdump -T` -> [(family, version, symbol)]: the same reading the release build tags the wheel by.
-parse_objdump_versions = platform_tag.required_symbol_versions
-
-
-# `objdump -T` -> required symbols bound to no version (a glibc symbol among them would not load on
-# an older glibc), and the symbols a library defines.
-parse_unversioned = platform_tag.unversioned_undefined
-parse_defined = platform_tag.defined_symbols
 
 
 def parse_needed(text: str) -> list[str]:

@@ -24,7 +24,8 @@ from release_server import ReleaseServer
 
 pytestmark = pytest.mark.e2e
 
-from release import check_wheel
+from installer.compile import platform_tag
+from release import wheel_parsers
 
 
 @pytest.fixture
@@ -65,7 +66,8 @@ def test_the_release_folder_is_complete_and_every_check_passed(dry_run, wheel):
                             "whl/cu130/index.html", "whl/cu130/cudelta/index.html"])
     assert checks["failed"] == []
     statuses = {c["name"]: c["status"] for c in checks["checks"]}
-    assert {name: statuses.get(name) for name in check_wheel.CHECK_NAMES} == {n: "PASS" for n in check_wheel.CHECK_NAMES}
+    names = wheel_parsers.CHECK_NAMES
+    assert {name: statuses.get(name) for name in names} == {name: "PASS" for name in names}
     # SHA256SUMS covers every asset and matches it; the manifest names the wheel with its digest.
     sums = dict(reversed(line.split("  ", 1)) for line in (release / "SHA256SUMS").read_text().splitlines())
     assert set(sums) == {wheel.name, f"cudelta-{VERSION}.tar.gz", "manifest.json"}
@@ -77,20 +79,20 @@ def test_the_release_folder_is_complete_and_every_check_passed(dry_run, wheel):
     # The summary names every asset with its size and every check's verdict.
     for name in sums:
         assert re.search(rf"{re.escape(name)}\s+[\d.]+ [kM]B", printed), name
-    assert f"wheel checks: {len(check_wheel.CHECK_NAMES)} passed, 0 failed" in printed
+    assert f"wheel checks: {len(wheel_parsers.CHECK_NAMES)} passed, 0 failed" in printed
 
 
 def test_auditwheel_and_the_symbols_say_manylinux_2_28(wheel, tmp_path):
     assert wheel.name.endswith("-cp310-abi3-manylinux_2_28_x86_64.whl")
     report = json.loads(run([sys.executable, "-m", "auditwheel", "show", "--json", wheel]).stdout)
-    problems, granted = check_wheel.auditwheel_verdict(report, "manylinux_2_28_x86_64", check_wheel.TORCH_LIBS)
+    problems, granted = wheel_parsers.auditwheel_verdict(report, "manylinux_2_28_x86_64", wheel_parsers.TORCH_LIBS)
     assert (problems, granted) == ([], "manylinux_2_28_x86_64")
     with zipfile.ZipFile(wheel) as zf:
-        zf.extract(check_wheel.LIBRARY, tmp_path)
-    lib = tmp_path / check_wheel.LIBRARY
+        zf.extract(wheel_parsers.LIBRARY, tmp_path)
+    lib = tmp_path / wheel_parsers.LIBRARY
     symbols = run(["objdump", "-T", lib]).stdout
-    assert max(check_wheel.platform_tag.glibc_versions(symbols)) <= (2, 28)
-    needed = check_wheel.parse_needed(run(["objdump", "-p", lib]).stdout)
+    assert max(platform_tag.glibc_versions(symbols)) <= (2, 28)
+    needed = wheel_parsers.parse_needed(run(["objdump", "-p", lib]).stdout)
     assert not [n for n in needed if n.startswith(("libcudart", "libcuda."))], needed
 
 

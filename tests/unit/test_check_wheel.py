@@ -9,8 +9,11 @@ import zipfile
 
 import pytest
 
+from installer.compile import native
+from installer.compile.platform_tag import defined_symbols, required_symbol_versions, unversioned_undefined
 from installer.core import cuda
-from release import check_wheel as cw
+from release import wheel_parsers as wp
+from release.check_wheel import WheelChecker
 
 # cuobjdump 13.x on a wheel built with nvcc 13.0 for sm_80, sm_90a, sm_100f, sm_120f + compute_120.
 LIST_ELF = """\
@@ -101,25 +104,25 @@ Dynamic Section:
     ("sm_100f", "sm_100"), ("sm_120f", "sm_120"), ("sm_103f", "sm_103"),
 ])
 def test_elf_listing_name_drops_only_the_family_suffix(cubin, listed):
-    assert cw.elf_listing_name(cubin) == listed
+    assert wp.elf_listing_name(cubin) == listed
 
 
 @pytest.mark.parametrize("ptx, listed", [("compute_120", "sm_120"), ("compute_80", "sm_80"), ("compute_90a", "sm_90a")])
 def test_ptx_listing_name(ptx, listed):
-    assert cw.ptx_listing_name(ptx) == listed
+    assert wp.ptx_listing_name(ptx) == listed
 
 
 @pytest.mark.parametrize("bad", ["sm80", "compute_120", "sm_100x", ""])
 def test_elf_listing_name_rejects_what_is_not_a_cubin(bad):
     with pytest.raises(ValueError, match=rf"^{bad!r} is not a cubin arch \(sm_80, sm_90a, sm_100f\)$"):
-        cw.elf_listing_name(bad)
+        wp.elf_listing_name(bad)
 
 
 def test_release_archs_map_onto_the_listing():
     info_archs = ["sm_80", "sm_90a", "sm_100f", "sm_120f"]
-    listed = cw.parse_cuobjdump_list(LIST_ELF, "elf")
-    want = {cw.elf_listing_name(a): a for a in info_archs}
-    assert cw.coverage([arch for _, arch in listed], want, "cubin") == ([], 2)
+    listed = wp.parse_cuobjdump_list(LIST_ELF, "elf")
+    want = {wp.elf_listing_name(a): a for a in info_archs}
+    assert wp.coverage([arch for _, arch in listed], want, "cubin") == ([], 2)
 
 
 @pytest.mark.parametrize("toolkit, label", [("13.0", "cu130"), ("12.8", "cu128"), ("13.1.2", "cu131")])
@@ -130,51 +133,51 @@ def test_cuda_label(toolkit, label):
 # --- cuobjdump ---------------------------------------------------------------------------------
 
 def test_parse_list_elf():
-    listed = cw.parse_cuobjdump_list(LIST_ELF, "elf")
+    listed = wp.parse_cuobjdump_list(LIST_ELF, "elf")
     assert listed[:4] == [("gdn_decode", "sm_80"), ("gdn_decode", "sm_90a"), ("gdn_decode", "sm_100"),
                           ("gdn_decode", "sm_120")]
     assert [m for m, _ in listed[4:]] == ["probe"] * 4
 
 
 def test_listing_names_are_normalised_whether_or_not_cuobjdump_keeps_the_family_suffix():
-    want = {cw.elf_listing_name(a): a for a in ["sm_90a", "sm_100f"]}
+    want = {wp.elf_listing_name(a): a for a in ["sm_90a", "sm_100f"]}
     for listed in (["sm_90a", "sm_100"], ["sm_90a", "sm_100f"]):
-        assert cw.coverage([cw.elf_listing_name(a) for a in listed], want, "cubin") == ([], 1)
+        assert wp.coverage([wp.elf_listing_name(a) for a in listed], want, "cubin") == ([], 1)
 
 
 def test_parse_list_ptx():
-    assert cw.parse_cuobjdump_list(LIST_PTX, "ptx") == [("gdn_decode", "sm_120"), ("probe", "sm_120")]
+    assert wp.parse_cuobjdump_list(LIST_PTX, "ptx") == [("gdn_decode", "sm_120"), ("probe", "sm_120")]
 
 
 def test_parse_list_without_lineinfo_names_modules_after_the_library():
     # Built without -lineinfo, nvcc records no source name: cuobjdump numbers the entries instead.
     text = "ELF file    1: _C.abi3.1.sm_80.cubin\nELF file    2: _C.abi3.2.sm_90a.cubin\n"
-    assert cw.parse_cuobjdump_list(text, "elf") == [("_C.abi3.1", "sm_80"), ("_C.abi3.2", "sm_90a")]
+    assert wp.parse_cuobjdump_list(text, "elf") == [("_C.abi3.1", "sm_80"), ("_C.abi3.2", "sm_90a")]
 
 
 def test_parse_list_ignores_other_lines():
     text = "cuobjdump info    : File 'x.so' has no PTX\nELF file    1: my.kernels.sm_80.cubin\n"
-    assert cw.parse_cuobjdump_list(text, "elf") == [("my.kernels", "sm_80")]
-    assert cw.parse_cuobjdump_list("", "ptx") == []
+    assert wp.parse_cuobjdump_list(text, "elf") == [("my.kernels", "sm_80")]
+    assert wp.parse_cuobjdump_list("", "ptx") == []
 
 
 def test_coverage_finds_missing_partial_and_unclaimed_images():
     want = {"sm_80": "sm_80", "sm_100": "sm_100f"}
-    assert cw.coverage(["sm_80", "sm_100", "sm_80", "sm_100"], want, "cubin") == ([], 2)
-    problems, modules = cw.coverage(["sm_80", "sm_100", "sm_80"], want, "cubin")
+    assert wp.coverage(["sm_80", "sm_100", "sm_80", "sm_100"], want, "cubin") == ([], 2)
+    problems, modules = wp.coverage(["sm_80", "sm_100", "sm_80"], want, "cubin")
     assert modules == 2 and problems == ["cubin for sm_100f (listed sm_100) in 1 of 2 modules only"]
-    problems, _ = cw.coverage(["sm_80", "sm_86"], want, "cubin")
+    problems, _ = wp.coverage(["sm_80", "sm_86"], want, "cubin")
     assert problems == ["no cubin for sm_100f (listed sm_100)", "cubins not in build info: sm_86 x1"]
-    assert cw.coverage([], want, "cubin")[0] == ["no cubin for sm_80", "no cubin for sm_100f (listed sm_100)"]
+    assert wp.coverage([], want, "cubin")[0] == ["no cubin for sm_80", "no cubin for sm_100f (listed sm_100)"]
 
 
 def test_parse_list_rejects_an_unknown_name_format():
     with pytest.raises(ValueError, match="unexpected cuobjdump --list-elf line: 'ELF file    1: gdn_decode.cubin'"):
-        cw.parse_cuobjdump_list("ELF file    1: gdn_decode.cubin\n", "elf")
+        wp.parse_cuobjdump_list("ELF file    1: gdn_decode.cubin\n", "elf")
 
 
 def test_parse_fatbin_headers_reads_arch_variant_and_compression():
-    entries = cw.parse_fatbin_headers(RES_USAGE)
+    entries = wp.parse_fatbin_headers(RES_USAGE)
     assert [(e["kind"], e["arch"], e["compressed"]) for e in entries] == [
         ("elf", "sm_90a", True), ("elf", "sm_100f", False), ("ptx", "sm_120", True)]
     assert all(e["identifier"] == "/src/kernels/gdn_decode.cu" for e in entries)
@@ -184,19 +187,19 @@ def test_parse_fatbin_headers_reads_arch_variant_and_compression():
 def test_parse_fatbin_headers_without_identifier():
     text = "Fatbin elf code:\n================\narch = sm_100f\ncode version = [1,8]\nhost = linux\n" \
            "compile_size = 64bit\ncompressed\n\nResource usage:\n Common:\n  GLOBAL:0\n"
-    assert cw.parse_fatbin_headers(text) == [{"kind": "elf", "compressed": True, "arch": "sm_100f",
+    assert wp.parse_fatbin_headers(text) == [{"kind": "elf", "compressed": True, "arch": "sm_100f",
                                               "code version": "[1,8]", "host": "linux", "compile_size": "64bit"}]
 
 
 def test_parse_fatbin_headers_does_not_read_resource_lines_as_fields():
-    entries = cw.parse_fatbin_headers(RES_USAGE)
+    entries = wp.parse_fatbin_headers(RES_USAGE)
     assert not any("REG" in key or "Common" in key for e in entries for key in e)
 
 
 # --- objdump / symbol versions -----------------------------------------------------------------
 
-def test_parse_objdump_versions_keeps_required_glibc_libstdcxx_libgcc_only():
-    required = cw.parse_objdump_versions(OBJDUMP_T)
+def test_required_symbol_versions_keeps_required_glibc_libstdcxx_libgcc_only():
+    required = required_symbol_versions(OBJDUMP_T)
     assert ("GLIBC", "2.34", "dlsym") in required
     assert ("GLIBC", "2.32", "__libc_single_threaded") in required
     assert ("GLIBCXX", "3.4.21", "_ZNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEE6appendEPKcm") in required
@@ -207,20 +210,20 @@ def test_parse_objdump_versions_keeps_required_glibc_libstdcxx_libgcc_only():
     assert not any("variant_name" in sym for _, _, sym in required)  # defined, not required
 
 
-def test_parse_objdump_versions_without_parentheses():
+def test_required_symbol_versions_without_parentheses():
     line = "0000000000000000      DF *UND*  0000000000000000  GLIBC_2.17  clock_gettime\n"
-    assert cw.parse_objdump_versions(line) == [("GLIBC", "2.17", "clock_gettime")]
+    assert required_symbol_versions(line) == [("GLIBC", "2.17", "clock_gettime")]
 
 
 def test_version_tuple_orders_numerically():
-    assert cw.version_tuple("2.2.5") < cw.version_tuple("2.14") < cw.version_tuple("2.28") < cw.version_tuple("2.34")
-    assert cw.version_tuple("3.4.9") < cw.version_tuple("3.4.21") <= cw.version_tuple("3.4.24")
+    assert wp.version_tuple("2.2.5") < wp.version_tuple("2.14") < wp.version_tuple("2.28") < wp.version_tuple("2.34")
+    assert wp.version_tuple("3.4.9") < wp.version_tuple("3.4.21") <= wp.version_tuple("3.4.24")
     with pytest.raises(ValueError, match="'PRIVATE'"):
-        cw.version_tuple("PRIVATE")
+        wp.version_tuple("PRIVATE")
 
 
 def test_glibc_above_2_28_fails_and_names_the_symbols():
-    ok, report = cw.symbol_version_check(cw.parse_objdump_versions(OBJDUMP_T), ["GLIBC"])
+    ok, report = wp.symbol_version_check(required_symbol_versions(OBJDUMP_T), ["GLIBC"])
     assert not ok
     assert report["GLIBC"]["max"] == "2.34"
     assert report["GLIBC"]["offenders"] == {"2.32": ["__libc_single_threaded"], "2.34": ["dlsym"]}
@@ -228,12 +231,12 @@ def test_glibc_above_2_28_fails_and_names_the_symbols():
 
 def test_glibc_at_or_below_2_28_passes():
     text = "\n".join(line for line in OBJDUMP_T.splitlines() if "2.32" not in line and "2.34" not in line)
-    ok, report = cw.symbol_version_check(cw.parse_objdump_versions(text), ["GLIBC"])
+    ok, report = wp.symbol_version_check(required_symbol_versions(text), ["GLIBC"])
     assert ok and report["GLIBC"]["max"] == "2.14"
 
 
 def test_libstdcxx_reports_the_newest_version_and_its_limit():
-    ok, report = cw.symbol_version_check(cw.parse_objdump_versions(OBJDUMP_T), ["GLIBCXX", "CXXABI", "GCC"])
+    ok, report = wp.symbol_version_check(required_symbol_versions(OBJDUMP_T), ["GLIBCXX", "CXXABI", "GCC"])
     assert ok
     assert report["GLIBCXX"] == {"max": "3.4.21", "limit": "3.4.24", "offenders": {}}
     assert report["CXXABI"]["max"] == "1.3.9"
@@ -242,26 +245,26 @@ def test_libstdcxx_reports_the_newest_version_and_its_limit():
 def test_libstdcxx_too_new_and_non_numeric_versions():
     required = [("GLIBCXX", "3.4.30", "_ZSt28__throw_bad_array_new_lengthv"), ("CXXABI", "TM_1", "x"),
                 ("GLIBC", "PRIVATE", "_dl_x")]
-    ok, report = cw.symbol_version_check(required, ["GLIBCXX", "CXXABI"])
+    ok, report = wp.symbol_version_check(required, ["GLIBCXX", "CXXABI"])
     assert not ok and report["GLIBCXX"]["offenders"] == {"3.4.30": ["_ZSt28__throw_bad_array_new_lengthv"]}
     assert report["CXXABI"]["offenders"] == {}  # TM_1 is in the manylinux_2_28 policy
-    ok, report = cw.symbol_version_check(required, ["GLIBC"])
+    ok, report = wp.symbol_version_check(required, ["GLIBC"])
     assert not ok and "PRIVATE" in report["GLIBC"]["offenders"]
 
 
 def test_parse_needed():
-    assert cw.parse_needed(OBJDUMP_P) == ["libc10.so", "libtorch_cpu.so", "libcudart.so.13", "libstdc++.so.6",
+    assert wp.parse_needed(OBJDUMP_P) == ["libc10.so", "libtorch_cpu.so", "libcudart.so.13", "libstdc++.so.6",
                                           "libc.so.6"]
 
 
 # --- wheel name, RECORD, fatbin container ------------------------------------------------------
 
 def test_parse_wheel_filename():
-    parts = cw.parse_wheel_filename("cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl")
+    parts = wp.parse_wheel_filename("cudelta-0.1.0+cu130-cp310-abi3-manylinux_2_28_x86_64.whl")
     assert parts == {"name": "cudelta", "version": "0.1.0+cu130", "build": None, "python": "cp310",
                      "abi": "abi3", "platform": "manylinux_2_28_x86_64"}
     with pytest.raises(ValueError, match=r"'cudelta-0.1.0.tar.gz' is not a wheel filename \(name-version-python"):
-        cw.parse_wheel_filename("cudelta-0.1.0.tar.gz")
+        wp.parse_wheel_filename("cudelta-0.1.0.tar.gz")
 
 
 def _record_line(path, data):
@@ -273,10 +276,10 @@ def test_record_problems():
     files = {"a/x.py": b"x = 1\n", "a/y.json": b"{}"}
     record = "\n".join([_record_line(p, d) for p, d in files.items()] + ["d.dist-info/RECORD,,"]) + "\n"
     files["d.dist-info/RECORD"] = record.encode()
-    assert cw.record_problems(files, "d.dist-info/RECORD") == []
+    assert wp.record_problems(files, "d.dist-info/RECORD") == []
     files["a/y.json"] = b'{"archs": []}'
     files["a/z.txt"] = b""
-    problems = cw.record_problems(files, "d.dist-info/RECORD")
+    problems = wp.record_problems(files, "d.dist-info/RECORD")
     assert any("a/y.json: sha256 mismatch" in p for p in problems)
     assert any("a/z.txt: in the wheel, not in RECORD" in p for p in problems)
 
@@ -287,28 +290,29 @@ def test_fatbin_payload_sizes_reads_stored_and_decompressed_sizes():
         return header + payload
     body = entry(2, b"\1" * 24, 100) + entry(1, b"\2" * 8, 0)
     blob = struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
-    assert cw.fatbin_payload_sizes(bytes(8) + blob) == (2, 32, 108)
+    assert wp.fatbin_payload_sizes(bytes(8) + blob) == (2, 32, 108)
 
 
 def test_wheel_level_checks_on_a_synthetic_wheel(tmp_path):
     """wheel-tag, version-label, metadata, record and build-info need no external tool."""
     version = "0.1.0+cu130"
-    info = {"archs": ["sm_80", "sm_90a", "sm_100f", "sm_120f"], "ptx": ["compute_120"], "build": "release",
-            "cuda_toolkit": "13.0", "variant": "cu130", "version": "0.1.0", "fatbin_compression": True,
-            "torch_floor": "2.10", "python_floor": "3.10"}
+    release = native.parse_archs(wp.POLICY.RELEASE_ARCHS)  # whatever the policy ships (test_plan.py pins the list)
+    info = {"archs": [a.cubin for a in release], "ptx": [a.ptx_name for a in release if a.ptx_name],
+            "build": "release", "cuda_toolkit": "13.0", "variant": "cu130", "version": "0.1.0",
+            "fatbin_compression": True, "torch_floor": wp.POLICY.TORCH_FLOOR, "python_floor": wp.POLICY.PYTHON_FLOOR}
     files = {
         "cudelta/_C.abi3.so": b"\x7fELF",
         "cudelta/_build_info.json": json.dumps(info).encode(),
         f"cudelta-{version}.dist-info/METADATA": f"Metadata-Version: 2.4\nName: cudelta\nVersion: {version}\n".encode(),
-        f"cudelta-{version}.dist-info/WHEEL": f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {cw.EXPECTED_TAG}\n".encode(),
+        f"cudelta-{version}.dist-info/WHEEL": f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {wp.EXPECTED_TAG}\n".encode(),
     }
     record_name = f"cudelta-{version}.dist-info/RECORD"
     files[record_name] = ("\n".join([_record_line(p, d) for p, d in files.items()] + [f"{record_name},,"]) + "\n").encode()
-    wheel = tmp_path / f"cudelta-{version}-{cw.EXPECTED_TAG}.whl"
+    wheel = tmp_path / f"cudelta-{version}-{wp.EXPECTED_TAG}.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         for path, data in files.items():
             zf.writestr(path, data)
-    checker = cw.WheelChecker(wheel, tmp_path / "unpacked", cuobjdump="/nonexistent")
+    checker = WheelChecker(wheel, tmp_path / "unpacked", cuobjdump="/nonexistent")
     for name in ("wheel_tag", "version_label", "metadata", "record", "build_info"):
         ok, detail, _ = getattr(checker, "check_" + name)()
         assert ok, (name, detail)
@@ -323,11 +327,11 @@ def test_wheel_level_checks_on_a_synthetic_wheel(tmp_path):
 
 
 def test_glibc_limit_follows_the_claimed_manylinux_tag():
-    required = cw.parse_objdump_versions(OBJDUMP_T)
-    assert cw.platform_glibc("manylinux_2_34_x86_64") == (2, 34)
-    ok, _ = cw.symbol_version_check(required, ["GLIBC"], {"GLIBC": (2, 34)})
+    required = required_symbol_versions(OBJDUMP_T)
+    assert wp.platform_glibc("manylinux_2_34_x86_64") == (2, 34)
+    ok, _ = wp.symbol_version_check(required, ["GLIBC"], {"GLIBC": (2, 34)})
     assert ok
-    ok, report = cw.symbol_version_check(required, ["GLIBC"], {"GLIBC": (2, 32)})
+    ok, report = wp.symbol_version_check(required, ["GLIBC"], {"GLIBC": (2, 32)})
     assert not ok and report["GLIBC"]["offenders"] == {"2.34": ["dlsym"]}
 
 
@@ -338,7 +342,7 @@ def test_glibc_limit_follows_the_claimed_manylinux_tag():
     ("cp310-abi3-manylinux_2_34_x86_64", False), ("cp310-abi3-linux_x86_64", False),
     ("cp311-abi3-manylinux_2_28_x86_64", False)])
 def test_a_release_wheel_is_manylinux_2_28_on_either_arch(tag, ok):
-    assert bool(cw.EXPECTED_TAG_RE.match(tag)) is ok
+    assert bool(wp.EXPECTED_TAG_RE.match(tag)) is ok
 
 
 OBJDUMP_UNVERSIONED = """\
@@ -352,17 +356,17 @@ OBJDUMP_UNVERSIONED = """\
 
 
 def test_unversioned_required_symbols_exclude_weak_and_versioned_ones():
-    assert cw.parse_unversioned(OBJDUMP_UNVERSIONED) == ["aoti_torch_get_data_ptr", "fstat64", "PyModule_Create2"]
-    assert cw.parse_defined(OBJDUMP_UNVERSIONED) == {"PyInit__C"}
+    assert unversioned_undefined(OBJDUMP_UNVERSIONED) == ["aoti_torch_get_data_ptr", "fstat64", "PyModule_Create2"]
+    assert defined_symbols(OBJDUMP_UNVERSIONED) == {"PyInit__C"}
 
 
 def _checker_with(tmp_path, objdump_output: dict):
     """A WheelChecker over a minimal wheel whose objdump answers are given."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    wheel = tmp_path / f"cudelta-0.1.0+cu130-{cw.EXPECTED_TAG}.whl"
+    wheel = tmp_path / f"cudelta-0.1.0+cu130-{wp.EXPECTED_TAG}.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(cw.LIBRARY, b"\x7fELF")
-    checker = cw.WheelChecker(wheel, tmp_path / "unpacked", cuobjdump="/nonexistent")
+        zf.writestr(wp.LIBRARY, b"\x7fELF")
+    checker = WheelChecker(wheel, tmp_path / "unpacked", cuobjdump="/nonexistent")
     checker.objdump = lambda option: objdump_output[option]
     return checker
 
@@ -396,7 +400,7 @@ def _auditwheel_report(sym_tag="manylinux_2_24_x86_64", external=("libc10.so", "
 
 
 def test_auditwheel_grants_the_claim_once_torch_is_excluded():
-    problems, granted = cw.auditwheel_verdict(_auditwheel_report(), "manylinux_2_28_x86_64", cw.TORCH_LIBS)
+    problems, granted = wp.auditwheel_verdict(_auditwheel_report(), "manylinux_2_28_x86_64", wp.TORCH_LIBS)
     assert (problems, granted) == ([], "manylinux_2_28_x86_64")
 
 
@@ -406,5 +410,5 @@ def test_auditwheel_grants_the_claim_once_torch_is_excluded():
     ({**_auditwheel_report(), "unsupported_isa": True}, "ISA"),
 ])
 def test_auditwheel_refuses_what_torch_does_not_explain(report, needle):
-    problems, granted = cw.auditwheel_verdict(report, "manylinux_2_28_x86_64", cw.TORCH_LIBS)
+    problems, granted = wp.auditwheel_verdict(report, "manylinux_2_28_x86_64", wp.TORCH_LIBS)
     assert problems and needle in "; ".join(problems) and granted != "manylinux_2_28_x86_64"
