@@ -132,6 +132,42 @@ __device__ __forceinline__ float gate_act(float z, int activation) {
   return activation == 2 ? s : z * s;
 }
 
+// Block n's request in both multi-token kernels: its token rows [bos, bos + len) and the slot its
+// state starts from. Returns whether the block computes; where it does not, `zero_rows(first, end)`
+// (the kernel's own division of rows among its threads) has zeroed what the call's contract says:
+// the rows outside every request (block N, the extra block of a cu_seqlens launch) or the rows of
+// a request without a valid starting slot.
+template <typename ZeroRows>
+__device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n, ZeroRows& zero_rows, int64_t& bos,
+                                             int64_t& len, int64_t& start) {
+  if (n == p.N) {
+    zero_rows(0, load_index(p.cu_seqlens, p.cu_is_int64, 0));
+    zero_rows(load_index(p.cu_seqlens, p.cu_is_int64, p.N), p.L);
+    return false;
+  }
+  if (p.cu_seqlens != nullptr) {
+    bos = load_index(p.cu_seqlens, p.cu_is_int64, n);
+    len = load_index(p.cu_seqlens, p.cu_is_int64, n + 1) - bos;
+  } else {
+    bos = n * p.tokens;
+    len = p.tokens;
+  }
+  // cu_seqlens is not read on the host (no synchronisation): a request whose rows fall outside the
+  // call's, or outnumber idx's columns, is skipped, never read or written out of bounds.
+  if (len <= 0 || bos < 0 || bos + len > p.L || (p.idx_columns > 0 && len > p.idx_columns)) return false;
+  if (p.idx_columns > 0) {
+    const int64_t col = p.accepted != nullptr ? load_index(p.accepted, p.accepted_is_int64, n) - 1 : 0;
+    start = col >= 0 && col < p.idx_columns ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + col) : -1;
+  } else {
+    start = load_index(p.idx, p.idx_is_int64, n);
+  }
+  if (!slot_valid(p, start)) {
+    zero_rows(bos, bos + len);
+    return false;
+  }
+  return true;
+}
+
 // Rounds x to the output dtype and back: the epilogue reads the output as stored (vLLM's order).
 __device__ __forceinline__ float rounded(float x, DType t) {
   if (t == DType::kBFloat16) return __bfloat162float(__float2bfloat16_rn(x));
@@ -161,33 +197,8 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
     if (!writer) return;
     for (int64_t tok = first; tok < end; ++tok) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + my_row, 0.f);
   };
-  if (n == p.N) {  // the extra block of a cu_seqlens launch: rows outside every request
-    zero_rows(0, load_index(p.cu_seqlens, p.cu_is_int64, 0));
-    zero_rows(load_index(p.cu_seqlens, p.cu_is_int64, p.N), p.L);
-    return;
-  }
-  int64_t bos, len;
-  if (p.cu_seqlens != nullptr) {
-    bos = load_index(p.cu_seqlens, p.cu_is_int64, n);
-    len = load_index(p.cu_seqlens, p.cu_is_int64, n + 1) - bos;
-  } else {
-    bos = n * p.tokens;
-    len = p.tokens;
-  }
-  // cu_seqlens is not read on the host (no synchronisation): a request whose rows fall outside the
-  // call's, or outnumber idx's columns, is skipped, never read or written out of bounds.
-  if (len <= 0 || bos < 0 || bos + len > p.L || (p.idx_columns > 0 && len > p.idx_columns)) return;
-  int64_t start;
-  if (p.idx_columns > 0) {
-    const int64_t col = p.accepted != nullptr ? load_index(p.accepted, p.accepted_is_int64, n) - 1 : 0;
-    start = col >= 0 && col < p.idx_columns ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + col) : -1;
-  } else {
-    start = load_index(p.idx, p.idx_is_int64, n);
-  }
-  if (!slot_valid(p, start)) {
-    zero_rows(bos, bos + len);
-    return;
-  }
+  int64_t bos, len, start;
+  if (!request_span(p, n, zero_rows, bos, len, start)) return;
   const int64_t block = p.K * p.V;
   ST* const pool = static_cast<ST*>(p.state);
   float hs[NV][NK];
@@ -389,31 +400,8 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
       store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
   };
-  if (n == p.N) {  // the extra block of a cu_seqlens launch: rows outside every request
-    zero_rows(0, load_index(p.cu_seqlens, p.cu_is_int64, 0));
-    zero_rows(load_index(p.cu_seqlens, p.cu_is_int64, p.N), p.L);
-    return;
-  }
-  int64_t bos, len;
-  if (p.cu_seqlens != nullptr) {
-    bos = load_index(p.cu_seqlens, p.cu_is_int64, n);
-    len = load_index(p.cu_seqlens, p.cu_is_int64, n + 1) - bos;
-  } else {
-    bos = n * p.tokens;
-    len = p.tokens;
-  }
-  if (len <= 0 || bos < 0 || bos + len > p.L || (p.idx_columns > 0 && len > p.idx_columns)) return;
-  int64_t start;
-  if (p.idx_columns > 0) {
-    const int64_t col = p.accepted != nullptr ? load_index(p.accepted, p.accepted_is_int64, n) - 1 : 0;
-    start = col >= 0 && col < p.idx_columns ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + col) : -1;
-  } else {
-    start = load_index(p.idx, p.idx_is_int64, n);
-  }
-  if (!slot_valid(p, start)) {
-    zero_rows(bos, bos + len);
-    return;
-  }
+  int64_t bos, len, start;
+  if (!request_span(p, n, zero_rows, bos, len, start)) return;
   const int64_t block = p.K * p.V;
   ST* const pool = static_cast<ST*>(p.state);
   ST* const src = pool + start * p.state_stride_p + hv * block;
