@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from ._call import DecodeCall
 
 LAYOUTS = ("kv", "vk")
 INVALID_SLOT_RULES = ("negative", "nonpositive")
@@ -204,6 +207,13 @@ def check_call(q, k, v, state, idx, layout, out, cu_seqlens=None, num_accepted_t
         raise ValueError(f"out must be a {v.dtype} tensor of shape {_dims(v.shape)}; got {out.dtype} "
                          f"{tuple(out.shape)}")
     return Shape(lead=lead, N=N, L=L, H=H, K=K, HV=HV, V=V, columns=columns)
+
+
+def check_decode_call(call: DecodeCall) -> Shape:
+    """check_call on a whole call value: what the reference and the kernel path both check first."""
+    return check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
+                      call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
+                      call.gate_activation)
 
 
 def check_token_values(shape: Shape, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 
 from . import _native
 from ._call import DecodeCall
-from ._contract import (DEFAULT_NORM_EPS, INVALID_SLOT_RULES, LAYOUTS, check_call, check_gates, check_kernel_pool,
-                        min_valid_slot)
+from ._contract import (DEFAULT_NORM_EPS, INVALID_SLOT_RULES, LAYOUTS, check_decode_call, check_gates,
+                        check_kernel_pool, min_valid_slot)
 from .reference import decode_reference
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,9 +55,7 @@ def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Opti
 
 
 def _check(call: DecodeCall) -> None:
-    shape = check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
-                       call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
-                       call.gate_activation)
+    shape = check_decode_call(call)
     check_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b, call.A_log, call.dt_bias)
 
 

@@ -26,6 +26,7 @@ from ._contract import (  # noqa: F401  (the names this module exported before _
     STATE_DTYPES,
     Shape,
     check_call,
+    check_decode_call,
     check_gates,
     check_head_dims,
     check_token_values,
@@ -185,9 +186,7 @@ def _store(state: torch.Tensor, slots: torch.Tensor, h: torch.Tensor, layout: st
 def decode_reference(call: DecodeCall) -> torch.Tensor:
     """The reference of one decode call (cudelta._call.DecodeCall): the gates resolved for its kind,
     then the step."""
-    shape = check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
-                       call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
-                       call.gate_activation)
+    shape = check_decode_call(call)
     log_decay, beta = resolve_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b,
                                     call.A_log, call.dt_bias)
     return delta_rule_decode_reference(
