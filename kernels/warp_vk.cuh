@@ -55,26 +55,32 @@ constexpr int warp_min_blocks() {
   return tile_regs >= 128 ? 8 : tile_regs >= 64 ? 12 : 16;
 }
 
-// One work item of the warp kernel: request n32, value head hv32, group g of TPW tiles.
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM>
-__device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, uint32_t hv32, uint32_t n32) {
+// The gated RMSNorm epilogue of a one-token step in a block of warps (mtp.cuh, decode_vk_one_kernel):
+// the tile's outputs, rounded to the output dtype, go to `o` (the head's V values) instead of out,
+// and `sumsq` gathers the sum of their squares over the warp's rows.
+struct TileEpilogue {
+  float* o;
+  float sumsq;
+};
+
+// The step of one tile group: the inputs of token row `n` (a request, or with several tokens a token
+// row), the state read from slot `src` and written to slot `dst` (DST_CHECK: not written where dst
+// is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer.
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool EPI = false, bool DST_CHECK = EPI>
+__device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, int64_t hv, int64_t h, int64_t n,
+                                          int64_t src, int64_t dst, TileEpilogue* epi = nullptr) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
   using Sh = WarpShape<K, ST, BW>;
   constexpr int E = Sh::E, KC = Sh::KC, LPR = Sh::LPR, CPL = Sh::CPL, RPP = Sh::RPP, NP = Sh::NP, F = Sh::F;
-  const int lane = threadIdx.x;
+  const int lane = threadIdx.x & 31;
   const int l = lane % LPR;
   const int r = lane / LPR;
   const int64_t row0 = int64_t(g) * (BW * TPW);
-  // The qk head: off the path to the slot's load, which needs n alone.
-  const int64_t n = n32, hv = hv32, h = qk_head(p, hv32);
-  const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
   const int64_t o_at = n * p.out_stride_n + hv * p.out_stride_h + row0;
-  if (!slot_valid(p, slot)) {
-    for (int row = lane; row < BW * TPW; row += 32) store_f(p.out, p.dtype, o_at + row, 0.f);
-    return;
-  }
-  Raw* S = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + slot * p.state_stride_p + (hv * p.V + row0) * int64_t(K));
+  const int64_t head = (hv * p.V + row0) * int64_t(K);
+  const Raw* S = reinterpret_cast<const Raw*>(static_cast<const ST*>(p.state) + src * p.state_stride_p + head);
+  Raw* D = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + dst * p.state_stride_p + head);
 
   // The tiles first: all of their loads are in flight while the gates, q and k are read.
   Raw s[TPW][NP][CPL];
@@ -189,7 +195,15 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
     }
     butterfly<H0, LPR / 4>(ak, aq, lane);
     const float u_mine = beta * (vv[t] - ak[0] * (sum_decay * sc.k));
-    if (l % F == 0) store_f(p.out, p.dtype, o_at + t * BW + my_row, aq[0] * (sum_decay * sc.q) + u_mine * sc.qk);
+    const float o_row = aq[0] * (sum_decay * sc.q) + u_mine * sc.qk;
+    if constexpr (EPI) {
+      const float o_out = rounded(o_row, p.dtype);
+      if (l % F == 0) epi->o[row0 + t * BW + my_row] = o_out;
+      epi->sumsq += warp_sum(l % F == 0 ? o_out * o_out : 0.f);
+    } else {
+      if (l % F == 0) store_f(p.out, p.dtype, o_at + t * BW + my_row, o_row);
+    }
+    if (DST_CHECK && !slot_valid(p, dst)) continue;
 
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
@@ -205,10 +219,24 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
         C::widen(s[t][j][i], x);
 #pragma unroll
         for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i * E + m] + kv[i][m] * us;
-        state_store<STREAM>(S + (t * BW + r + RPP * j) * KC + i * LPR + l, C::narrow(x));
+        state_store<STREAM>(D + (t * BW + r + RPP * j) * KC + i * LPR + l, C::narrow(x));
       }
     }
   }
+}
+
+// One work item of the warp kernel: request n32, value head hv32, group g of TPW tiles.
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM>
+__device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, uint32_t hv32, uint32_t n32) {
+  // The qk head: off the path to the slot's load, which needs n alone.
+  const int64_t n = n32, hv = hv32, h = qk_head(p, hv32);
+  const int64_t slot = p.idx_is_int64 ? static_cast<const int64_t*>(p.idx)[n] : static_cast<const int32_t*>(p.idx)[n];
+  if (!slot_valid(p, slot)) {
+    const int64_t o_at = n * p.out_stride_n + hv * p.out_stride_h + int64_t(g) * (BW * TPW);
+    for (int row = threadIdx.x; row < BW * TPW; row += 32) store_f(p.out, p.dtype, o_at + row, 0.f);
+    return;
+  }
+  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, g, hv, h, n, slot, slot);
 }
 
 // PERSIST: a grid of one wave whose warps loop over the work items, so a warp's stores drain while

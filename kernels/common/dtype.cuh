@@ -23,6 +23,13 @@ __device__ __forceinline__ void store_f(void* p, DType t, int64_t i, float x) {
   }
 }
 
+// Rounds x to the output dtype and back: the epilogue reads the output as stored (vLLM's order).
+__device__ __forceinline__ float rounded(float x, DType t) {
+  if (t == DType::kBFloat16) return __bfloat162float(__float2bfloat16_rn(x));
+  if (t == DType::kFloat16) return __half2float(__float2half_rn(x));
+  return x;
+}
+
 // --- loads apart from their widening (the warp kernels) -----------------------------------------
 // A load inside a run-time dtype switch gets its first use (the widening to float) inside the same
 // case, so the warp waits for it there, before it issues the next load: each load becomes a round

@@ -23,6 +23,17 @@ int resident_blocks_of(int device, int threads, size_t smem) {
   return blocks;
 }
 
+// Lets `Kernel` take `bytes` of dynamic shared memory on `device` (beyond 48 KB a kernel must opt
+// in): set once per kernel and device, to the largest size asked so far. Returns the cudaError_t.
+template <auto Kernel>
+int allow_dynamic_smem(int device, size_t bytes) {
+  static size_t allowed[64] = {};
+  if (device >= 0 && device < 64 && allowed[device] >= bytes) return 0;
+  const cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err == cudaSuccess && device >= 0 && device < 64) allowed[device] = bytes;
+  return static_cast<int>(err);
+}
+
 // Appends the programmatic-dependent-launch attribute where the params ask for it (every kernel
 // here starts with pdl_enter); returns the attribute count.
 inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int n) {
@@ -37,10 +48,12 @@ inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int
 // Launches `kernel(p)` with the programmatic-dependent-launch attribute where the params ask for
 // it; every decode launch goes through here. Returns the cudaError_t as an int.
 template <typename Kernel>
-int launch_decode(Kernel kernel, dim3 grid, dim3 block, const GdnDecodeParams& p, cudaStream_t stream) {
+int launch_decode(Kernel kernel, dim3 grid, dim3 block, const GdnDecodeParams& p, cudaStream_t stream,
+                  size_t dynamic_smem = 0) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
+  cfg.dynamicSmemBytes = dynamic_smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;

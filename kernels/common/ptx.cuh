@@ -69,6 +69,19 @@ __device__ __forceinline__ void state_store(T* p, const T& x) {
   else *p = x;
 }
 
+// Asynchronous 16-byte copies global -> shared (sm_80+): the streaming multi-token kernel keeps its
+// next state chunks in flight in shared memory rather than in registers (mtp.cuh). Each thread reads
+// back only what it copied, so waiting for its own groups is enough.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Hides a chunk's value from the compiler, so the widened copy made for the reduction is not kept
 // live until the update (that doubled the registers of a bf16 tile); the update widens it again.
 __device__ __forceinline__ void opaque(float4& x) {
