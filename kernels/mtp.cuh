@@ -11,12 +11,14 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "launch.h"
 #include "common/dtype.cuh"
 #include "common/host.cuh"
 #include "common/ptx.cuh"
 #include "common/step.cuh"
+#include "warp_vk.cuh"
 
 namespace cudelta {
 namespace {
@@ -43,7 +45,9 @@ struct MtpShape {
 // The streaming kernel's launch (launch_mtp_stream): more warps a block while the grid's warps
 // number at most kMtpWideWarpsPerSm an SM, else kMtpNarrowWarps a block.
 constexpr int64_t kMtpWideWarpsPerSm = 64;
-constexpr int64_t kMtpNarrowWarps = 4;
+constexpr int kMtpNarrowWarps = 4;
+// The one-token kernel's largest V (its outputs wait in shared memory for the epilogue).
+constexpr int kMaxOneRows = 128;
 
 template <typename Sh, bool VK>
 __device__ __forceinline__ int key_of(int lane, int b) {
@@ -145,6 +149,17 @@ __device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n
     zero_rows(load_index(p.cu_seqlens, p.cu_is_int64, p.N), p.L);
     return false;
   }
+  // Every index the request needs is loaded before any is used, so that the state's load waits on
+  // one round trip, not three (cu_seqlens, then num_accepted_tokens, then idx): the candidate
+  // starting slots of up to kStreamTokens columns are all read, and one is picked.
+  constexpr int kCols = 8;
+  const int64_t cols = p.idx_columns;
+  const int64_t acc = p.accepted != nullptr ? load_index(p.accepted, p.accepted_is_int64, n) : 1;
+  int64_t cand[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    cand[c] = c == 0 || c < cols ? load_index(p.idx, p.idx_is_int64, cols > 0 ? n * cols + c : n) : -1;
+  }
   if (p.cu_seqlens != nullptr) {
     bos = load_index(p.cu_seqlens, p.cu_is_int64, n);
     len = load_index(p.cu_seqlens, p.cu_is_int64, n + 1) - bos;
@@ -154,25 +169,23 @@ __device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n
   }
   // cu_seqlens is not read on the host (no synchronisation): a request whose rows fall outside the
   // call's, or outnumber idx's columns, is skipped, never read or written out of bounds.
-  if (len <= 0 || bos < 0 || bos + len > p.L || (p.idx_columns > 0 && len > p.idx_columns)) return false;
-  if (p.idx_columns > 0) {
-    const int64_t col = p.accepted != nullptr ? load_index(p.accepted, p.accepted_is_int64, n) - 1 : 0;
-    start = col >= 0 && col < p.idx_columns ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + col) : -1;
+  if (len <= 0 || bos < 0 || bos + len > p.L || (cols > 0 && len > cols)) return false;
+  if (cols > 0) {
+    const int64_t col = acc - 1;
+    start = -1;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      if (col == c) start = cand[c];
+    }
+    if (col >= kCols && col < cols) start = load_index(p.idx, p.idx_is_int64, n * cols + col);
   } else {
-    start = load_index(p.idx, p.idx_is_int64, n);
+    start = cand[0];
   }
   if (!slot_valid(p, start)) {
     zero_rows(bos, bos + len);
     return false;
   }
   return true;
-}
-
-// Rounds x to the output dtype and back: the epilogue reads the output as stored (vLLM's order).
-__device__ __forceinline__ float rounded(float x, DType t) {
-  if (t == DType::kBFloat16) return __bfloat162float(__float2bfloat16_rn(x));
-  if (t == DType::kFloat16) return __half2float(__float2half_rn(x));
-  return x;
 }
 
 template <bool VK, int K, typename ST, int BW, bool PER_CHANNEL>
@@ -331,8 +344,31 @@ struct RawTile {
   typename Chunk<ST>::Raw r[VK ? Sh::NV : Sh::NK][Sh::CPR];
 };
 
+// 16-byte units of a chunk a lane holds, and the ring: kStreamRing chunks a warp, or as many as the
+// warp streams where fewer (the launch sizes the block's dynamic shared memory by it).
 template <bool VK, int K, typename ST>
-__device__ __forceinline__ void raw_load(const GdnDecodeParams& p, const ST* S, int v0, int lane, RawTile<VK, K, ST>& t) {
+constexpr int kStreamChunkRaws = (VK ? StreamShape<VK, K, ST>::NV : StreamShape<VK, K, ST>::NK) * StreamShape<VK, K, ST>::CPR;
+constexpr int kStreamRing = 3;
+// The ring's bytes a block at most, beside the kernel's static buffers (K = 256 fp32: 16 warps of
+// 8 KB chunks take one slot each).
+constexpr int kStreamRingBytes = 128 * 1024;
+__host__ __device__ __forceinline__ int stream_ring_depth(int chunks, int warps, int chunk_bytes) {
+  const int per_warp = (chunks + warps - 1) / warps;
+  int depth = per_warp < kStreamRing ? per_warp : kStreamRing;
+  while (depth > 1 && warps * depth * chunk_bytes > kStreamRingBytes) --depth;
+  return depth;
+}
+// The staged values and outputs of a pass hold up to this many value rows (V): the launch takes the
+// resident kernel for longer heads.
+template <int K>
+constexpr int kStreamMaxV = K <= 128 ? 128 : 256;
+
+// A chunk's raw state in shared memory, lane-interleaved (element j of lane l at j * 32 + l, so a
+// warp's 16-byte accesses cover 512 contiguous bytes: no bank conflicts), copied asynchronously by
+// the lane that reads it back.
+template <bool VK, int K, typename ST>
+__device__ __forceinline__ void raw_copy(const GdnDecodeParams& p, const ST* S, int v0, int lane,
+                                         typename Chunk<ST>::Raw* slot) {
   using Sh = StreamShape<VK, K, ST>;
   using Raw = typename Chunk<ST>::Raw;
   if constexpr (VK) {
@@ -340,15 +376,26 @@ __device__ __forceinline__ void raw_load(const GdnDecodeParams& p, const ST* S, 
     for (int a = 0; a < Sh::NV; ++a) {
       const Raw* row = reinterpret_cast<const Raw*>(S + int64_t(v0 + row_of<Sh, VK>(lane, a)) * K);
 #pragma unroll
-      for (int i = 0; i < Sh::CPL; ++i) t.r[a][i] = row[i * Sh::LPR + lane % Sh::LPR];
+      for (int i = 0; i < Sh::CPL; ++i) cp_async16(slot + (a * Sh::CPL + i) * 32 + lane, row + i * Sh::LPR + lane % Sh::LPR);
     }
   } else {
 #pragma unroll
     for (int b = 0; b < Sh::NK; ++b) {
       const Raw* row = reinterpret_cast<const Raw*>(S + int64_t(key_of<Sh, VK>(lane, b)) * p.V + v0);
 #pragma unroll
-      for (int c = 0; c < Sh::CPR; ++c) t.r[b][c] = row[c];
+      for (int c = 0; c < Sh::CPR; ++c) cp_async16(slot + (b * Sh::CPR + c) * 32 + lane, row + c);
     }
+  }
+}
+
+template <bool VK, int K, typename ST>
+__device__ __forceinline__ void raw_read(const typename Chunk<ST>::Raw* slot, int lane, RawTile<VK, K, ST>& t) {
+  using Sh = StreamShape<VK, K, ST>;
+  constexpr int A = VK ? Sh::NV : Sh::NK;
+#pragma unroll
+  for (int a = 0; a < A; ++a) {
+#pragma unroll
+    for (int i = 0; i < Sh::CPR; ++i) t.r[a][i] = slot[(a * Sh::CPR + i) * 32 + lane];
   }
 }
 
@@ -387,7 +434,8 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   // decay (KDA), and per token beta, k.q and the head's decay (GDN); the epilogue's outputs and sums.
   __shared__ float s_k[TS][K], s_q[TS][K], s_d[PER_CHANNEL ? TS : 1][PER_CHANNEL ? K : 1];
   __shared__ float s_beta[TS], s_qk[TS], s_decay[TS], s_rstd[TS];
-  __shared__ float s_o[TS][256], s_v[TS][256];
+  __shared__ int64_t s_dst[TS];
+  __shared__ float s_o[TS][kStreamMaxV<K>], s_v[TS][kStreamMaxV<K>];
   pdl_enter();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int group = lane - lane % LPR, mine = (lane % LPR) / F;
@@ -407,11 +455,28 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   ST* const src = pool + start * p.state_stride_p + hv * block;
   const uint32_t a_log_bits = load_a_log_bits(p, hv);
   const int chunks = V / R;
-  // A chunk's state, loaded one chunk ahead, and the first chunk before the tokens are staged, so
-  // that its round trip overlaps the staging's.
-  RawTile<VK, K, ST> next;
-  auto prefetch = [&](int c) { raw_load<VK, K, ST>(p, src, c * R, lane, next); };
-  if (warp < chunks) prefetch(warp);
+  // The warp's chunks c = warp, warp + warps, ... go through its ring of `depth` slots in shared
+  // memory, kStreamRing of them in flight while one is computed (a group of async copies a
+  // chunk, committed even where empty so that every wait counts the same). The first ones are
+  // issued before the tokens are staged, so that their round trip overlaps the staging's.
+  using Raw = typename Chunk<ST>::Raw;
+  extern __shared__ __align__(16) unsigned char s_ring_bytes[];
+  const int depth = stream_ring_depth(chunks, warps, kStreamChunkRaws<VK, K, ST> * 32 * 16), mine_chunks = (chunks - warp + warps - 1) / warps;
+  Raw* const ring = reinterpret_cast<Raw*>(s_ring_bytes) + warp * depth * kStreamChunkRaws<VK, K, ST> * 32;
+  auto fetch = [&](int i) {  // the warp's i-th chunk into its slot
+    if (i < mine_chunks) raw_copy<VK, K, ST>(p, src, (warp + i * warps) * R, lane, ring + (i % depth) * kStreamChunkRaws<VK, K, ST> * 32);
+    cp_async_commit();
+  };
+  // The first `depth` chunks, in kStreamRing groups (the rest empty), so that the wait below counts
+  // the same groups whatever the depth.
+  auto ring_start = [&]() {
+#pragma unroll
+    for (int i = 0; i < kStreamRing; ++i) {
+      if (i < depth && i < mine_chunks) raw_copy<VK, K, ST>(p, src, (warp + i * warps) * R, lane, ring + i * kStreamChunkRaws<VK, K, ST> * 32);
+      cp_async_commit();
+    }
+  };
+  ring_start();
 
   for (int64_t g0 = 0; g0 < len; g0 += TS) {
     const int tg = static_cast<int>(len - g0 < TS ? len - g0 : TS);
@@ -474,30 +539,44 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         s_beta[t] = beta_of(p, beta_bits);
         s_qk[t] = sc.qk;
         s_decay[t] = PER_CHANNEL ? 1.f : decay_of(p, d_bits[0], a_log_bits);
+        const int64_t dst = p.idx_columns > 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t) : -1;
+        s_dst[t] = slot_valid(p, dst) ? dst : -1;  // -1: no checkpoint (idx [N], or an invalid slot)
       }
     }
     __syncthreads();
 
     // Stream the head's row chunks through the warps, the next chunk's load in flight.
-    for (int c = warp; c < chunks; c += warps) {
-      const int v0 = c * R;
+    for (int i = 0; i < mine_chunks; ++i) {
+      const int v0 = (warp + i * warps) * R;
       float hs[NV][NK];
-      raw_widen<VK, K, ST>(next, hs);
-      if (c + warps < chunks) prefetch(c + warps);
+      {
+        // Chunk i is in the group issued depth groups before the newest.
+        if (depth >= 3) cp_async_wait<2>();
+        else if (depth == 2) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        RawTile<VK, K, ST> raw;
+        raw_read<VK, K, ST>(ring + (i % depth) * kStreamChunkRaws<VK, K, ST> * 32, lane, raw);
+        raw_widen<VK, K, ST>(raw, hs);
+      }
+      // The slot is free once its values are in registers (the widening waited for them; in-order
+      // issue puts the copy after it): the chunk `depth` ahead goes in.
+      fetch(i + depth);
       const int my_row = v0 + row_of<Sh, VK>(lane, mine);
       // Not unrolled: the body is the kernel's bulk, and eight copies of it cost the release 2.5x its
       // compile time and size for no measured speed (benchmarks/results-h100-mtp.md).
 #pragma unroll 1
       for (int t = 0; t < tg; ++t) {
-        float kk[NK], kd[NK], qd[NK], dec[NK];
+        // KDA: the per-channel decay folded into k and q; GDN: one decay a head, applied to the row
+        // sums instead (two arrays of NK registers fewer).
+        float kk[NK], kq[NK], dec[PER_CHANNEL ? NK : 1];
 #pragma unroll
         for (int b = 0; b < NK; ++b) {
           const int ch = key_of<Sh, VK>(lane, b);
-          dec[b] = PER_CHANNEL ? s_d[PER_CHANNEL ? t : 0][PER_CHANNEL ? ch : 0] : s_decay[t];
           kk[b] = s_k[t][ch];
-          kd[b] = kk[b] * dec[b];
-          qd[b] = s_q[t][ch] * dec[b];
+          kq[b] = s_q[t][ch];
+          if constexpr (PER_CHANNEL) dec[b] = s_d[PER_CHANNEL ? t : 0][PER_CHANNEL ? ch : 0];
         }
+        if constexpr (!PER_CHANNEL) dec[0] = s_decay[t];
         float pk[NV], pq[NV];
 #pragma unroll
         for (int a = 0; a < NV; ++a) {
@@ -505,13 +584,15 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
           pq[a] = 0.f;
 #pragma unroll
           for (int b = 0; b < NK; ++b) {
-            pk[a] += hs[a][b] * kd[b];
-            pq[a] += hs[a][b] * qd[b];
+            const float x = PER_CHANNEL ? hs[a][b] * dec[PER_CHANNEL ? b : 0] : hs[a][b];
+            pk[a] += x * kk[b];
+            pq[a] += x * kq[b];
           }
         }
         butterfly<NV, LPR / 2>(pk, pq, lane);
-        const float u_mine = s_beta[t] * (s_v[t][my_row] - pk[0]);
-        const float o = rounded(pq[0] + u_mine * s_qk[t], p.dtype);
+        const float row_decay = PER_CHANNEL ? 1.f : dec[0];
+        const float u_mine = s_beta[t] * (s_v[t][my_row] - pk[0] * row_decay);
+        const float o = rounded(pq[0] * row_decay + u_mine * s_qk[t], p.dtype);
         if (writer) {
           if (epilogue) s_o[t][my_row] = o;
           else store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + my_row, o);
@@ -520,18 +601,21 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         for (int a = 0; a < NV; ++a) {
           const float u = __shfl_sync(0xffffffffu, u_mine, group + a * F);
 #pragma unroll
-          for (int b = 0; b < NK; ++b) hs[a][b] = hs[a][b] * dec[b] + kk[b] * u;
+          for (int b = 0; b < NK; ++b) hs[a][b] = hs[a][b] * dec[PER_CHANNEL ? b : 0] + kk[b] * u;
         }
-        if (p.idx_columns > 0) {
-          const int64_t dst = load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t);
-          if (slot_valid(p, dst)) tile_store<VK, K, ST, R>(p, pool + dst * p.state_stride_p + hv * block, v0, lane, hs);
-        }
+        // The checkpoint slots were read while the tokens were staged: no global load here.
+        const int64_t dst = s_dst[t];
+        if (dst >= 0) tile_store<VK, K, ST, R>(p, pool + dst * p.state_stride_p + hv * block, v0, lane, hs);
       }
       // idx [N]: the one slot carries the state to the next pass and holds it after the last.
       if (p.idx_columns == 0) tile_store<VK, K, ST, R>(p, src, v0, lane, hs);
     }
-    // The next pass's first chunk: stored above by this same warp (idx [N]), read after it.
-    if (g0 + TS < len && warp < chunks) prefetch(warp);
+    // The next pass's first chunks: stored above by this same warp (idx [N]), read after the fence.
+    if (g0 + TS < len) {
+      cp_async_wait<0>();
+      __threadfence();
+      ring_start();
+    }
 
     if (epilogue) {
       __syncthreads();
@@ -562,6 +646,150 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   }
 }
 
+// The one-token kernels of layout vk: at most one token a request (idx [N] with one token a
+// request, or idx [N, 1]: one column bounds a request's tokens to one, request_span skips longer
+// ones), the epilogue or not. Both run the warp kernel's step (warp_vk.cuh, warp_step: the state kept
+// as loaded, never widened into registers of fp32 between tokens) on the slots the multi-token
+// contract names (request_span); they differ in where the epilogue's mean over V is taken.
+//
+// decode_vk_one_kernel, small grids: a block of V / BW warps a (request, value head). The warps keep
+// their outputs in shared memory and meet once, after their state stores are issued; the barrier
+// waits on the block's slowest warp, not on memory traffic. One launch: the latency regime's choice.
+template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM>
+__global__ void __launch_bounds__(512) decode_vk_one_kernel(const GdnDecodeParams p) {
+  __shared__ float s_o[kMaxOneRows];
+  __shared__ float s_sumsq[16];
+  pdl_enter();
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t n = blockIdx.x, hv = blockIdx.y;
+  const int V = static_cast<int>(p.V);
+  auto zero_rows = [&](int64_t first, int64_t end) {
+    for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
+      store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
+  };
+  int64_t bos, len, start;
+  if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  const int64_t dst = p.idx_columns > 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns) : start;
+  // The epilogue's z and w of this thread's output (blockDim >= V: BW <= 32 rows a warp).
+  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
+  const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
+  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
+  TileEpilogue epi{s_o, 0.f};
+  warp_step<K, ST, BW, PER_CHANNEL, 1, STREAM, true>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start, dst,
+                                                     &epi);
+  if (threadIdx.x % 32 == 0) s_sumsq[warp] = epi.sumsq;
+  __syncthreads();
+  if (!mine) return;
+  float o = s_o[threadIdx.x];
+  if (epilogue) {
+    float total = 0.f;
+    for (int i = 0; i < warps; ++i) total += s_sumsq[i];
+    o *= rsqrtf(total / static_cast<float>(V) + p.norm_eps) * widen_bits(w_bits, p.norm_weight_dtype) *
+         gate_act(widen_bits(z_bits, p.z_dtype), p.gate_activation);
+  }
+  store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
+}
+
+// decode_vk_one_warp_kernel, larger grids: the warp kernel's grid of one-warp blocks (no barrier, so
+// an SM's warps never wait on each other), its outputs stored rounded; the epilogue follows as
+// gated_rms_norm_kernel, which reads them back (a few MB beside the state's hundreds).
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM>
+__global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_one_warp_kernel(const GdnDecodeParams p) {
+  pdl_enter();
+  const int64_t n = blockIdx.z, hv = blockIdx.y;
+  const int64_t row0 = int64_t(blockIdx.x) * (BW * TPW);
+  auto zero_rows = [&](int64_t first, int64_t end) {
+    for (int64_t tok = first; tok < end; ++tok) {
+      for (int r = threadIdx.x; r < BW * TPW; r += 32) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + row0 + r, 0.f);
+    }
+  };
+  int64_t bos, len, start;
+  if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  const int64_t dst = p.idx_columns > 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns) : start;
+  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, false, true>(p, blockIdx.x, hv, qk_head(p, static_cast<uint32_t>(hv)),
+                                                              bos, start, dst);
+}
+
+// The epilogue on outputs already stored (rounded to out's dtype): one warp a (token row, value head),
+// every row of the call (rows left zero stay zero). V <= kMaxOneRows: 4 values a lane.
+__global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodeParams p) {
+  pdl_enter();
+  const int64_t item = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (item >= p.L * p.HV) return;
+  const int lane = threadIdx.x % 32, V = static_cast<int>(p.V);
+  const int64_t tok = item / p.HV, hv = item % p.HV;
+  const int64_t o_at = tok * p.out_stride_n + hv * p.out_stride_h, z_at = tok * p.z_stride_n + hv * p.z_stride_h;
+  constexpr int PER = kMaxOneRows / 32;
+  uint32_t o_bits[PER], z_bits[PER], w_bits[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int v = lane + 32 * j;
+    o_bits[j] = v < V ? load_bits(p.out, p.dtype, o_at + v) : 0u;
+    z_bits[j] = v < V ? load_bits(p.z, p.z_dtype, z_at + v) : 0u;
+    w_bits[j] = v < V ? load_bits(p.norm_weight, p.norm_weight_dtype, v) : 0u;
+  }
+  float o[PER], ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    o[j] = widen_bits(o_bits[j], p.dtype);
+    ss += o[j] * o[j];
+  }
+  const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(V) + p.norm_eps);
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int v = lane + 32 * j;
+    if (v < V) {
+      store_f(p.out, p.dtype, o_at + v, o[j] * rstd * widen_bits(w_bits[j], p.norm_weight_dtype) *
+                                            gate_act(widen_bits(z_bits[j], p.z_dtype), p.gate_activation));
+    }
+  }
+}
+
+template <int K, typename ST, int BW, bool STREAM>
+int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM> : decode_vk_one_kernel<K, ST, BW, false, STREAM>;
+  const unsigned requests = static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
+  return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
+                       p, stream);
+}
+
+template <int K, typename ST, int BW, int TPW, bool STREAM>
+int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM>
+                                : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM>;
+  const unsigned requests = static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
+  int err = launch_decode(kernel, dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV), requests),
+                          dim3(32), p, stream);
+  if (err != 0 || p.gate_activation <= 0) return err;
+  return launch_decode(gated_rms_norm_kernel, dim3(static_cast<unsigned>((p.L * p.HV + 3) / 4)), dim3(128), p, stream);
+}
+
+// Whether a call takes a one-token kernel: at most one token a request, layout vk, K = 128 (the head
+// dim the warp kernel's extra builds are for), V whole tiles of 16 rows, at most kMaxOneRows.
+inline bool one_token_call(const GdnDecodeParams& p) {
+  const bool one = p.idx_columns == 1 || (p.idx_columns == 0 && p.cu_seqlens == nullptr && p.tokens == 1);
+  return one && p.state_vk && p.K == 128 && p.V % 16 == 0 && p.V <= kMaxOneRows;
+}
+
+// Which one-token kernel and build (H100, benchmarks/results-h100-mtp.md): bf16 state takes the
+// block kernel from one (request, head) pair an SM (fewer leave SMs idle: a block a pair) to four;
+// elsewhere, and for fp32 state at every batch (its 8-row tiles make 16-warp blocks, whose barrier
+// costs more), the warp kernel's builds (launch_vk_warp) and the separate epilogue.
+template <typename ST>
+int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
+  const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
+  if constexpr (std::is_same_v<ST, float>) {
+    if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
+    if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
+    return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
+  } else {
+    if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
+    if (pairs >= sms && pairs <= 4 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);
+    return launch_vk_one_split<128, ST, 16, 1, false>(p, stream);
+  }
+}
+
 // Resident kernel (decode_mtp_kernel): value rows a warp takes: 16, so a block holds at most 16
 // warps (the kernel's launch bound, which leaves it 128 registers a thread).
 template <bool VK, int K, typename ST, int BW>
@@ -576,27 +804,34 @@ template <bool VK, int K, typename ST>
 int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
   const unsigned requests = static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
-  const int64_t chunks = p.V / kStreamRows, sms = p.sm_count > 0 ? p.sm_count : 132;
+  const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
+  const int chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
   // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
   // then 8 warps a block, each two chunks; past kMtpWideWarpsPerSm warps an SM, 4 (H100, bench:
   // benchmarks/results-h100-mtp.md).
   const int64_t grid_warps = p.N * p.HV * chunks;
-  const int64_t wide = chunks < 16 ? chunks : 16;
-  const int64_t warps = grid_warps <= 16 * sms ? wide : grid_warps <= kMtpWideWarpsPerSm * sms ? (wide < 8 ? wide : 8)
-                                                                                              : kMtpNarrowWarps;
+  const int wide = chunks < 16 ? chunks : 16;
+  const int warps = grid_warps <= 16 * sms ? wide : grid_warps <= kMtpWideWarpsPerSm * sms ? (wide < 8 ? wide : 8)
+                                                                                          : kMtpNarrowWarps;
+  const size_t ring = size_t(warps) * stream_ring_depth(chunks, warps, chunk_bytes) * chunk_bytes;
+  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
+  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
   return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(warps) * 32), p,
-                       stream);
+                       stream, ring);
 }
 
 template <bool VK, int K, typename ST>
 int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
+  if constexpr (VK && K == 128) {
+    if (one_token_call(p)) return launch_vk_one<ST>(p, stream);
+  }
   // More checkpoint columns than a pass stages: only the resident kernel carries the state across.
   if (p.idx_columns > kStreamTokens) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
   // About one token a request (rows <= requests: the epilogue alone, or vLLM's MTP call at T = 1) in
   // a grid of at most two heads per SM: the resident kernel has the shorter path there (no staging,
   // one barrier), and streaming gains nothing. Either kernel computes any call; this is speed only.
   const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
-  if (p.L <= p.N && p.N * p.HV <= 2 * sms) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
+  if ((p.L <= p.N && p.N * p.HV <= 2 * sms) || p.V > kStreamMaxV<K>) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
   return launch_mtp_stream<VK, K, ST>(p, stream);
 }
 
