@@ -1,0 +1,189 @@
+"""What ncu says limits the multi-token step: cudelta's kernels beside vLLM's CUDA op, cell by cell.
+
+    python benchmarks/fetch_vllm_ops.py          # once, on a machine with PyPI: vLLM's op to .peers/
+    python -P benchmarks/ncu_mtp.py [--cells bfloat16:512:2 ...] [--calls 3] [--out FILE]
+
+Each cell (state dtype, B, T) is built as mtp_bench.py builds it (vLLM's GDN call: packed mixed_qkv,
+cu_seqlens, idx [B, T], num_accepted_tokens, the gated RMSNorm), and both implementations make
+--calls calls on distinct slot sets under one `ncu --clock-control none` per cell (ncu flushes the
+caches before each launch, so the state comes from DRAM). For each kernel of a call the table gives
+the medians over the calls: time, DRAM throughput (% of peak) and bytes, achieved occupancy and what
+bounds it, and the warp stall reasons (cycles per issued instruction, the largest three), which is
+what the closing notes of issue 17 quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import mtp_bench  # noqa: E402
+import mtp_report as report  # noqa: E402
+
+DEFAULT_CELLS = ("bfloat16:1:1", "bfloat16:8:2", "bfloat16:32:2", "bfloat16:512:1", "bfloat16:512:2",
+                 "bfloat16:512:4", "float32:512:2")
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis")
+KERNELS = "regex:decode_|gated_rms|gdn_decode_post_conv"
+STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+COLUMNS = {  # what the table shows: raw metric -> heading
+    "gpu__time_duration.sum": "µs",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "DRAM % of peak",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
+    "launch__registers_per_thread": "registers",
+    "launch__occupancy_limit_registers": "blocks/SM by registers",
+    "launch__occupancy_limit_shared_mem": "by smem",
+    "smsp__average_warp_latency_per_inst_issued.ratio": "cycles per issue",
+}
+# ncu's raw page names a duration's unit either way, depending on the version.
+SCALE = {"gpu__time_duration.sum": {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0,
+                                    "msecond": 1e3, "ms": 1e3}}
+
+
+def parse_cell(text: str) -> tuple[str, int, int]:
+    state, B, T = text.split(":")
+    if state not in mtp_bench.STATES:
+        raise argparse.ArgumentTypeError(f"state {state!r}: expected one of {', '.join(mtp_bench.STATES)}")
+    return state, int(B), int(T)
+
+
+def workload(state: str, B: int, T: int, calls: int, so: str, reason: str) -> None:
+    """The cell's calls, cudelta's then vLLM's, each on its own slot set (what ncu profiles)."""
+    import torch
+
+    impls = {}
+    mtp, _, why = mtp_bench.load_cudelta()
+    if mtp is None:
+        raise SystemExit(f"ncu_mtp: cudelta: {why}")
+    impls[report.CUDELTA] = mtp
+    op, why = mtp_bench.load_vllm_cuda(so, reason)
+    if op is not None:
+        impls[report.VLLM_CUDA] = op
+    else:
+        print(f"ncu_mtp: vLLM's CUDA op not profiled: {why}", file=sys.stderr)
+    cell = mtp_bench.Cell(state, B, T, seed=1000 * B + T)
+    sets = max(calls, 2)
+    _, pool = cell.pool(1 + sets * B * T, random_bytes=False)
+    slots = cell.slot_sets(sets)
+    for fn in impls.values():
+        call = cell.mtp_call(fn)
+        for i in range(calls):
+            call(pool, slots[i])
+        torch.cuda.synchronize()
+
+
+def raw_rows(text: str) -> list[dict]:
+    """ncu --csv --page raw: a header row, a units row, then one row per profiled launch."""
+    start = text.find('"ID"')
+    if start < 0:
+        raise SystemExit("ncu_mtp: ncu printed no metrics\n" + text[-2000:])
+    rows = list(csv.reader(io.StringIO(text[start:])))
+    head, units = rows[0], rows[1]
+    missing = [c for c in COLUMNS if c not in head]
+    if missing:  # the column prints as "-" below; say which metric this ncu did not collect
+        print(f"ncu_mtp: not collected by this ncu: {', '.join(missing)}", file=sys.stderr)
+    return [{h: (v, u) for h, v, u in zip(head, row, units)} for row in rows[2:] if len(row) == len(head)]
+
+
+def number(row: dict, name: str) -> float | None:
+    value, unit = row.get(name, ("", ""))
+    try:
+        x = float(value.replace(",", ""))
+    except ValueError:
+        return None
+    return x * SCALE.get(name, {}).get(unit, 1.0)
+
+
+def who(kernel: str) -> str:
+    return report.VLLM_CUDA if "gdn_decode_post_conv" in kernel else report.CUDELTA
+
+
+def short_name(kernel: str) -> str:
+    name = kernel.split("(")[0].split("<")[0]
+    return name.rsplit("::", 1)[-1]
+
+
+def summarise(label: str, rows: list[dict]) -> list[str]:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        kernel = row.get("Kernel Name", ("?", ""))[0]
+        groups.setdefault((who(kernel), short_name(kernel)), []).append(row)
+    lines = []
+    for (impl, kernel), launches in groups.items():
+        cells = []
+        for name in COLUMNS:
+            values = [x for x in (number(r, name) for r in launches) if x is not None]
+            cells.append(f"{statistics.median(values):,.1f}" if values else "n/a")
+        stalls = {}
+        for col in launches[0]:
+            if col.startswith(STALL[0]) and col.endswith(STALL[1]):
+                values = [x for x in (number(r, col) for r in launches) if x is not None]
+                if values:
+                    stalls[col[len(STALL[0]):-len(STALL[1])]] = statistics.median(values)
+        top = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
+        grid = launches[0].get("Grid Size", ("?", ""))[0]
+        block = launches[0].get("Block Size", ("?", ""))[0]
+        lines.append(f"| {label} | {impl} | {kernel} {grid}x{block} | " + " | ".join(cells) + " | "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in top) + " |")
+    return lines
+
+
+def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[dict]:
+    state, B, T = cell
+    with tempfile.TemporaryDirectory(prefix="ncu-mtp-") as tmp:
+        log = Path(tmp) / "ncu.csv"
+        cmd = [ncu, "--clock-control", "none", *[a for s in SECTIONS for a in ("--section", s)],
+               "--kernel-name", KERNELS, "--csv", "--page", "raw", "--log-file", str(log),
+               sys.executable, "-P", str(Path(__file__).resolve()), "--workload", f"{state}:{B}:{T}",
+               "--calls", str(calls), "--so", so, "--so-reason", reason]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        text = (log.read_text() if log.exists() else "") + "\n" + proc.stdout
+        if proc.returncode != 0:
+            raise SystemExit(f"ncu_mtp: {' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}\n{text[-2000:]}")
+    return raw_rows(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", type=parse_cell, nargs="+", default=[parse_cell(c) for c in DEFAULT_CELLS],
+                        metavar="STATE:B:T")
+    parser.add_argument("--calls", type=int, default=3, help="calls of each implementation per cell")
+    parser.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
+    parser.add_argument("--out", type=Path, help="also write the table here")
+    parser.add_argument("--workload", type=parse_cell, help=argparse.SUPPRESS)
+    parser.add_argument("--so", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--so-reason", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.workload:
+        workload(*args.workload, args.calls, args.so, args.so_reason)
+        return 0
+    unpacked = tempfile.TemporaryDirectory(prefix="ncu-op-")
+    so, reason = mtp_bench.unpack_cuda_op(mtp_bench.cuda_op_archive(None), Path(unpacked.name))
+    import torch
+
+    head = ("| cell | impl | kernel grid x block | " + " | ".join(COLUMNS.values())
+            + " | top stalls (cycles per issued instruction) |")
+    lines = [f"ncu --clock-control none, caches flushed before each launch; medians of {args.calls} calls; "
+             f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", "", head,
+             "|" + "---|" * (len(COLUMNS) + 4)]
+    for cell in args.cells:
+        lines += summarise(f"{cell[0]} B={cell[1]} T={cell[2]}", profile(args.ncu, cell, args.calls, so, reason))
+        print(lines[-1], file=sys.stderr, flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
