@@ -5,9 +5,10 @@ op and its Triton port, with a device copy of the same bytes as the yardstick (i
     # on the GPU machine (carry [".peers/cuda_op", ".peers/vllm_fla"]), cudelta built there:
     python -P benchmarks/mtp_bench.py --quick --out $OUT/mtp.md     # B 1 8 128, T 1 4: meant for < 2 min
     python -P benchmarks/mtp_bench.py --out $OUT/mtp.md             # B 1 8 32 128 512, T 1 2 4
+    python -P benchmarks/mtp_bench.py --heads 4/8 --tokens 1 2 4 8 --out $OUT/mtp-4-8.md   # another shape
     #   [--batches ...] [--tokens ...] [--states bfloat16 float32] [--procs 3] [--impls ...]
 
-Shapes: Qwen3.5-class heads H=16, HV=32, K=V=128; bf16 q/k/v/z/out; state fp32 and bf16. One
+Shapes: Qwen3.5-class heads H=16, HV=32 (--heads H/HV for another), K=V=128; bf16 q/k/v/z/out; state fp32 and bf16. One
 table per state dtype, rows B, columns T; each cell: cudelta / vLLM CUDA / vLLM Triton in µs, vLLM
 CUDA ÷ cudelta, and % of copy; beside it cudelta's T=1 decode without the epilogue (cudelta.gdn_decode),
 so that "T=1 + epilogue within 5% of T=1 decode alone" reads off the T=1 column. The summary line
@@ -112,8 +113,9 @@ sys.path.append(str(ROOT))  # cudelta from the source tree where it is not insta
 
 import mtp_report as report  # noqa: E402
 
-H, HV, K, V = 16, 32, 128, 128
+H, HV, K, V = 16, 32, 128, 128  # --heads sets H and HV for the whole process (set_heads)
 CONV_BYTES = 3 * (2 * H * K + HV * V) * 2  # conv state of a page: (kernel 4 - 1) x conv channels, bf16
+HEADS = {"16/32": "Qwen3.5-class", "4/8": "the same at TP=4", "16/64": "HV=64", "32/32": "Kimi-Linear-class"}
 PAGE_ALIGN = 32 << 10
 SPARE_SLOTS = 8  # in the check pool: slots no call names, which must stay bit-identical
 DRAM_BYTES = 256 << 20  # slot sets cycle over at least this much state per graph (--dram-mib)
@@ -131,6 +133,24 @@ TOL_STATE = {"float32": (1e-4, 1e-4), "bfloat16": (1 / 100, 1e-4)}
 
 
 # ---------------------------------------------------------------- the parent: processes, medians, tables
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """"H/HV" -> (H, HV): q/k heads and v heads, HV a multiple of H (vLLM's op also needs HV/H in 1, 2, 3, 4, 8)."""
+    try:
+        h, hv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads {text!r}: expected H/HV, e.g. 16/32") from None
+    if h < 1 or hv < h or hv % h:
+        raise argparse.ArgumentTypeError(f"--heads {text!r}: HV must be a positive multiple of H")
+    return h, hv
+
+
+def set_heads(h: int, hv: int) -> None:
+    """The shape every Cell of this process uses (one shape per process keeps Cell's arithmetic flat)."""
+    global H, HV, CONV_BYTES
+    H, HV = h, hv
+    CONV_BYTES = 3 * (2 * H * K + HV * V) * 2
 
 
 def cuda_op_archive(explicit: Path | None) -> Path | None:
@@ -162,7 +182,7 @@ def worker_command(args, so: str, so_reason: str, result: Path) -> list[str]:
     cmd = [sys.executable, *safe_path, str(Path(__file__).resolve()), "--worker", str(result)]
     cmd += ["--batches", *map(str, args.batches), "--tokens", *map(str, args.tokens), "--states", *args.states,
             "--impls", *args.impls, "--cuda-op-so", so, "--cuda-op-reason", so_reason, "--device", args.device,
-            "--dram-mib", str(args.dram_mib)] + (["--back-to-back"] if args.back_to_back else [])
+            "--dram-mib", str(args.dram_mib), "--heads", f"{H}/{HV}"] + (["--back-to-back"] if args.back_to_back else [])
     return cmd
 
 
@@ -192,7 +212,7 @@ def run_parent(args) -> int:
               f"per process; {between}; num_accepted_tokens in 1..T; norm_eps {NORM_EPS}, silu gate. % of copy: a "
               f"device copy of the step's bytes (state read once + written T times + q/k/v/z/out). "
               f"{len(runs)} of {args.procs} processes, {time.monotonic() - started:.0f} s.")
-    text = report.render_report(merged, args.states, args.batches, args.tokens, method)
+    text = report.render_report(merged, args.states, args.batches, args.tokens, method, heads=(H, HV))
     if failures:
         text += "\n" + "; ".join(failures) + "\n"
     print(text)
@@ -600,6 +620,9 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, nargs="+", choices=range(1, 9), metavar="T",
                         help=f"tokens per request, 1..8; default {FULL['tokens']}")
     parser.add_argument("--states", nargs="+", choices=STATES, default=STATES)
+    parser.add_argument("--heads", type=parse_heads, default=(H, HV), metavar="H/HV",
+                        help="q/k heads / v heads, default 16/32; the issue's shapes: " +
+                             ", ".join(f"{k} ({v})" for k, v in HEADS.items()))
     parser.add_argument("--impls", nargs="+", choices=report.IMPLS, default=list(report.IMPLS))
     parser.add_argument("--procs", type=int, default=3, help="processes to take medians over (default 3)")
     parser.add_argument("--back-to-back", action="store_true",
@@ -627,6 +650,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    set_heads(*args.heads)
     if args.worker:
         return run_worker(args)
     return run_parent(args)

@@ -283,12 +283,13 @@ def spread_line(m: Merged) -> str:
             f"timed value is the median of {lo if lo == hi else f'{lo} to {hi}'} of {m.procs} processes.")
 
 
-def render_report(m: Merged, states: list[str], batches: list[int], tokens: list[int], method: str) -> str:
+def render_report(m: Merged, states: list[str], batches: list[int], tokens: list[int], method: str,
+                  heads: tuple[int, int] = (16, 32)) -> str:
     """The whole report: header, one table per state dtype, targets, agreement, skips, spread."""
     legend = ("Cell: cudelta / vLLM CUDA / vLLM Triton µs · vLLM CUDA ÷ cudelta · % of copy (cudelta / vLLM "
               "CUDA). — not timed (see below); ✗ disagrees with the reference; ᵉ not a CUDA graph (capture failed: "
               "eager launches).")
-    parts = [f"MTP decode step (H=16, HV=32, K=V=128, bf16 q/k/v/z/out, gated RMSNorm epilogue, vLLM's padded "
+    parts = [f"MTP decode step (H={heads[0]}, HV={heads[1]}, K=V=128, bf16 q/k/v/z/out, gated RMSNorm epilogue, vLLM's padded "
              f"pool); {m.device}; copy {m.copy_GBps:.0f} GB/s; median of {m.procs} processes", "", method, "",
              legend]
     for state in states:

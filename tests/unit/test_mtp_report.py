@@ -139,7 +139,8 @@ def test_the_command_line_presets_and_its_refusals():
     assert (full.batches, full.tokens) == ([1, 8, 32, 128, 512], [1, 2, 4])
     mine = mtp_bench.parse_args(["--quick", "--batches", "32", "--tokens", "2", "--states", "float32"])
     assert (mine.batches, mine.tokens, mine.states) == ([32], [2], ["float32"])
-    for bad in (["--procs", "0"], ["--tokens", "9"], ["--impls", "fla"]):
+    assert full.heads == (16, 32) and mtp_bench.parse_args(["--heads", "32/32"]).heads == (32, 32)
+    for bad in (["--procs", "0"], ["--tokens", "9"], ["--impls", "fla"], ["--heads", "16/24"], ["--heads", "16"]):
         with pytest.raises(SystemExit):
             mtp_bench.parse_args(bad)
 
@@ -158,9 +159,10 @@ def small_heads_on_cpu(monkeypatch):
     """mtp_bench's cells on CPU tensors with H=2, HV=4 (its TP=8 split): the same code, 8x less work."""
     pytest.importorskip("torch")
     monkeypatch.setattr(mtp_bench, "DEVICE", "cpu")
-    monkeypatch.setattr(mtp_bench, "H", 2)
-    monkeypatch.setattr(mtp_bench, "HV", 4)
-    monkeypatch.setattr(mtp_bench, "CONV_BYTES", 3 * (2 * 2 * 128 + 4 * 128) * 2)
+    for name in ("H", "HV", "CONV_BYTES"):  # set_heads rebinds them: monkeypatch restores them after
+        monkeypatch.setattr(mtp_bench, name, getattr(mtp_bench, name))
+    mtp_bench.set_heads(2, 4)
+    assert mtp_bench.CONV_BYTES == 3 * (2 * 2 * 128 + 4 * 128) * 2
 
 
 def checked_step(B=2, T=2, wrong=None):
