@@ -4,7 +4,7 @@ op and its Triton port, with a device copy of the same bytes as the yardstick (i
     python benchmarks/fetch_vllm_ops.py --cache /tmp/vllm-wheel   # once, where PyPI is reachable
     # on the GPU machine (carry [".peers/cuda_op", ".peers/vllm_fla"]), cudelta built there:
     python -P benchmarks/mtp_bench.py --quick --out $OUT/mtp.md     # B 1 8 128, T 1 4: meant for < 2 min
-    python -P benchmarks/mtp_bench.py --out $OUT/mtp.md             # B 1 8 32 128 512, T 1 2 4
+    python -P benchmarks/mtp_bench.py --out $OUT/mtp.md             # B 1 4 8 32 128 512, T 1 2 4 8
     python -P benchmarks/mtp_bench.py --heads 4/8 --tokens 1 2 4 8 --out $OUT/mtp-4-8.md   # another shape
     #   [--batches ...] [--tokens ...] [--states bfloat16 float32] [--procs 3] [--impls ...]
 
@@ -123,7 +123,7 @@ DEVICE = "cuda"  # "cpu" only for a dry run of the whole script on a machine wit
 MIN_CALLS = 50
 NORM_EPS = 1e-6  # Qwen3.5's rms_norm_eps
 SCALE = K ** -0.5
-FULL = dict(batches=[1, 8, 32, 128, 512], tokens=[1, 2, 4])
+FULL = dict(batches=[1, 4, 8, 32, 128, 512], tokens=[1, 2, 4, 8])  # the issue's sweep
 QUICK = dict(batches=[1, 8, 128], tokens=[1, 4])
 STATES = ["bfloat16", "float32"]
 # (rtol, fraction of the largest |expected|): bf16 outputs pass through two roundings around the

@@ -108,8 +108,10 @@ def who(kernel: str) -> str:
 
 
 def short_name(kernel: str) -> str:
-    name = kernel.split("(")[0].split("<")[0]
-    return name.rsplit("::", 1)[-1]
+    """"void cudelta::(anonymous namespace)::decode_mtp_stream_kernel<true, 128, ...>(...)" -> the
+    kernel's own name (the namespace's parentheses are not the argument list's)."""
+    name = kernel.replace("(anonymous namespace)", "anon").split("(")[0].split("<")[0]
+    return name.rsplit("::", 1)[-1].removeprefix("void ").strip()
 
 
 def summarise(label: str, rows: list[dict]) -> list[str]:

@@ -46,6 +46,12 @@ struct MtpShape {
 // number at most kMtpWideWarpsPerSm an SM, else kMtpNarrowWarps a block.
 constexpr int64_t kMtpWideWarpsPerSm = 64;
 constexpr int kMtpNarrowWarps = 4;
+// Requests of at most two tokens past kMtpShortWarpsPerSm grid warps an SM take blocks of
+// kMtpShortWarps: twice the blocks an SM at the same registers, so a block's staging and epilogue
+// barriers stall half the warps (H200, T=2, B=128 and 512: 0.91x -> 0.95-1.00x vLLM's op; at B=32
+// the grid is one wave and 2-warp blocks run 0.73x, at T >= 4 they lose 1-3%).
+constexpr int64_t kMtpShortWarpsPerSm = 256;
+constexpr int kMtpShortWarps = 2;
 // The one-token kernel's largest V (its outputs wait in shared memory for the epilogue).
 constexpr int kMaxOneRows = 128;
 
@@ -512,7 +518,12 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         d_bits[0] = load_decay_bits(p, tok, hv, -1);
       }
       const uint32_t beta_bits = load_beta_bits(p, tok, hv);
-      for (int v = lane; v < V; v += 32) s_v[t][v] = load_f(p.v, p.dtype, tok * p.v_stride_n + hv * p.v_stride_h + v);
+      // Unrolled to the bound, not V: the loads go out together instead of one round trip each.
+#pragma unroll
+      for (int j = 0; j < kStreamMaxV<K> / 32; ++j) {
+        const int v = lane + 32 * j;
+        if (v < V) s_v[t][v] = load_f(p.v, p.dtype, tok * p.v_stride_n + hv * p.v_stride_h + v);
+      }
       float qv[KL], kv[KL];
       widen_all<KL>(qb, p.dtype, qv);
       widen_all<KL>(kb, p.dtype, kv);
@@ -642,7 +653,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
                 s_o[t][v] * s_rstd[t] * load_f(p.norm_weight, p.norm_weight_dtype, v) * gate_act(z, p.gate_activation));
       }
     }
-    __syncthreads();  // the staged tokens and outputs are reused by the next pass
+    if (g0 + TS < len) __syncthreads();  // the staged tokens and outputs are reused by the next pass
   }
 }
 
@@ -811,8 +822,12 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   // benchmarks/results-h100-mtp.md).
   const int64_t grid_warps = p.N * p.HV * chunks;
   const int wide = chunks < 16 ? chunks : 16;
-  const int warps = grid_warps <= 16 * sms ? wide : grid_warps <= kMtpWideWarpsPerSm * sms ? (wide < 8 ? wide : 8)
-                                                                                          : kMtpNarrowWarps;
+  const bool short_requests = p.L <= 2 * p.N;
+  const int warps = grid_warps <= 16 * sms                  ? wide
+                    : grid_warps <= kMtpWideWarpsPerSm * sms ? (wide < 8 ? wide : 8)
+                    : short_requests && grid_warps > kMtpShortWarpsPerSm * sms && chunks >= kMtpShortWarps
+                        ? kMtpShortWarps
+                        : kMtpNarrowWarps;
   const size_t ring = size_t(warps) * stream_ring_depth(chunks, warps, chunk_bytes) * chunk_bytes;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;

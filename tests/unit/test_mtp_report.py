@@ -136,7 +136,7 @@ def test_the_command_line_presets_and_its_refusals():
     assert (quick.batches, quick.tokens, quick.procs) == ([1, 8, 128], [1, 4], 3)
     assert quick.states == ["bfloat16", "float32"] and quick.impls == list(r.IMPLS) and not quick.back_to_back
     full = mtp_bench.parse_args([])
-    assert (full.batches, full.tokens) == ([1, 8, 32, 128, 512], [1, 2, 4])
+    assert (full.batches, full.tokens) == ([1, 4, 8, 32, 128, 512], [1, 2, 4, 8])
     mine = mtp_bench.parse_args(["--quick", "--batches", "32", "--tokens", "2", "--states", "float32"])
     assert (mine.batches, mine.tokens, mine.states) == ([32], [2], ["float32"])
     assert full.heads == (16, 32) and mtp_bench.parse_args(["--heads", "32/32"]).heads == (32, 32)
