@@ -108,9 +108,11 @@ def who(kernel: str) -> str:
 
 
 def short_name(kernel: str) -> str:
-    """"void cudelta::(anonymous namespace)::decode_mtp_stream_kernel<true, 128, ...>(...)" -> the
-    kernel's own name (the namespace's parentheses are not the argument list's)."""
-    name = kernel.replace("(anonymous namespace)", "anon").split("(")[0].split("<")[0]
+    """"void cudelta::<unnamed>::decode_mtp_stream_kernel<true, 128, ...>(...)" -> the kernel's own
+    name (an anonymous namespace's brackets are not the template's or the argument list's)."""
+    for anonymous in ("(anonymous namespace)", "<unnamed>"):  # as c++filt and as ncu spell it
+        kernel = kernel.replace(anonymous, "anon")
+    name = kernel.split("(")[0].split("<")[0]
     return name.rsplit("::", 1)[-1].removeprefix("void ").strip()
 
 
