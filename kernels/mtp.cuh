@@ -782,20 +782,24 @@ inline bool one_token_call(const GdnDecodeParams& p) {
   return one && p.state_vk && p.K == 128 && p.V % 16 == 0 && p.V <= kMaxOneRows;
 }
 
-// Which one-token kernel and build (H100, benchmarks/results-h100-mtp.md): bf16 state takes the
-// block kernel from one (request, head) pair an SM (fewer leave SMs idle: a block a pair) to four;
-// elsewhere, and for fp32 state at every batch (its 8-row tiles make 16-warp blocks, whose barrier
-// costs more), the warp kernel's builds (launch_vk_warp) and the separate epilogue.
+// Which one-token kernel and build. bf16 state takes the block kernel from half a (request, head)
+// pair an SM to four (fewer leave SMs idle: a block a pair); with the epilogue, fp32 state takes it
+// too, 16-warp blocks up to a pair an SM and 8-warp blocks up to four (its second launch costs more
+// there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op). Elsewhere
+// the warp kernel's builds and the separate epilogue (H100, benchmarks/results-h100-mtp.md).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
+  const bool epilogue = p.gate_activation > 0;
   if constexpr (std::is_same_v<ST, float>) {
+    if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
+    if (epilogue && pairs > sms && pairs <= 4 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
   } else {
     if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
-    if (pairs >= sms && pairs <= 4 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (pairs <= 4 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);
     return launch_vk_one_split<128, ST, 16, 1, false>(p, stream);
   }

@@ -31,11 +31,12 @@ once (greedy pairwise, mtp_cases.pairwise; the unit test checks the coverage): 3
 K = V = 128. Then: HEAD_DIMS, 10 calls with K, V of 64 and 256 (both layouts and state dtypes
 each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Next's heads 16/32,
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8 and varying T (6). Beyond
-those: T = 1 with the epilogue only (12), the epilogue against the reference's epilogue of the
+those: T = 1 with the epilogue only (12), vLLM's T = 1 call in every range of the one-token launch rule
+(16), the epilogue against the reference's epilogue of the
 unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
 (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
 tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-81 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
+97 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
 is most of the rest, a few seconds for the largest engine batch.
 """
 
@@ -115,6 +116,23 @@ def test_one_token_with_the_epilogue_only(case):
         mc.check(case, step, before, out)
     else:
         mc.check_fused_epilogue(case, DEVICE)
+
+
+# vLLM's T = 1 call (idx [N, 1], num_accepted_tokens) at Qwen3-Next's heads (HV = 32) with N chosen
+# from this GPU's SM count so that the (request, value head) pairs land inside each range of the
+# one-token launch rule (kernels/mtp.cuh, launch_vk_one: <= sms/2, <= sms, <= 4, 16, 64 sms, more):
+# each range runs another kernel or build, and each must compute the same step.
+PAIRS_PER_SM = (0.4, 0.9, 3, 10, 40, 70)
+ONE_TOKEN_RANGES = ([(state, x, "silu") for state in ("bf16", "fp32") for x in PAIRS_PER_SM]
+                    + [(state, x, "none") for state in ("bf16", "fp32") for x in (0.9, 3)])
+
+
+@pytest.mark.parametrize("state,pairs_per_sm,epilogue", ONE_TOKEN_RANGES)
+def test_one_token_calls_in_every_range_of_the_launch_rule(state, pairs_per_sm, epilogue):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    case = mc.Case(H=16, tokens="single", state=state, epilogue=epilogue, seed=530)
+    n = max(1, int(pairs_per_sm * sms / (case.H * case.group)))
+    mc.run_and_check(replace(case, N=n), DEVICE)
 
 
 # vLLM's call, and dense tokens with checkpoints in KDA on the other layout
