@@ -439,7 +439,10 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   // The staged tokens: k and q scaled (l2-normalised, q times the attention scale), the per-channel
   // decay (KDA), and per token beta, k.q and the head's decay (GDN); the epilogue's outputs and sums.
   __shared__ float s_k[TS][K], s_q[TS][K], s_d[PER_CHANNEL ? TS : 1][PER_CHANNEL ? K : 1];
-  __shared__ float s_beta[TS], s_qk[TS], s_decay[TS], s_rstd[TS];
+  __shared__ float s_beta[TS], s_qk[TS], s_decay[TS];
+  // The epilogue's sums of squares a (token, row chunk), added in a fixed order: outputs do not
+  // depend on which warp finished first.
+  __shared__ float s_ss[TS][kStreamMaxV<K> / kStreamRows];
   __shared__ int64_t s_dst[TS];
   __shared__ float s_o[TS][kStreamMaxV<K>], s_v[TS][kStreamMaxV<K>];
   pdl_enter();
@@ -502,6 +505,8 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     // Stage the pass's tokens, a warp a token.
     for (int t = warp; t < tg; t += warps) {
       const int64_t tok = bos + g0 + t;
+      // The checkpoint slot first: its load is in flight with the token's (not after them).
+      const int64_t dst = p.idx_columns > 0 && lane == 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t) : -1;
       const int64_t qo = tok * p.q_stride_n + h * p.q_stride_h, ko = tok * p.k_stride_n + h * p.k_stride_h;
       constexpr int KL = K / 32;
       uint32_t qb[KL], kb[KL];
@@ -550,7 +555,6 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         s_beta[t] = beta_of(p, beta_bits);
         s_qk[t] = sc.qk;
         s_decay[t] = PER_CHANNEL ? 1.f : decay_of(p, d_bits[0], a_log_bits);
-        const int64_t dst = p.idx_columns > 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t) : -1;
         s_dst[t] = slot_valid(p, dst) ? dst : -1;  // -1: no checkpoint (idx [N], or an invalid slot)
       }
     }
@@ -604,9 +608,13 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         const float row_decay = PER_CHANNEL ? 1.f : dec[0];
         const float u_mine = s_beta[t] * (s_v[t][my_row] - pk[0] * row_decay);
         const float o = rounded(pq[0] * row_decay + u_mine * s_qk[t], p.dtype);
-        if (writer) {
-          if (epilogue) s_o[t][my_row] = o;
-          else store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + my_row, o);
+        if (epilogue) {
+          // The epilogue's sum of squares, a warp's rows at a time (the writers hold each row once).
+          const float ss = warp_sum(writer ? o * o : 0.f);
+          if (writer) s_o[t][my_row] = o;
+          if (lane == 0) s_ss[t][v0 / R] = ss;
+        } else if (writer) {
+          store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + my_row, o);
         }
 #pragma unroll
         for (int a = 0; a < NV; ++a) {
@@ -630,13 +638,12 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
 
     if (epilogue) {
       __syncthreads();
-      for (int t = warp; t < tg; t += warps) {
+      // Token t's 1 / rms from its chunks' sums (a warp's threads share t: broadcast reads).
+      auto rstd = [&](int t) {
         float ss = 0.f;
-        for (int v = lane; v < V; v += 32) ss += s_o[t][v] * s_o[t][v];
-        ss = warp_sum(ss);
-        if (lane == 0) s_rstd[t] = rsqrtf(ss / static_cast<float>(V) + p.norm_eps);
-      }
-      __syncthreads();
+        for (int c = 0; c < chunks; ++c) ss += s_ss[t][c];
+        return rsqrtf(ss / static_cast<float>(V) + p.norm_eps);
+      };
 #pragma unroll
       for (int j = 0; j < ZPT; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
@@ -644,13 +651,13 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         const int t = i / V, v = i % V;
         const float z = widen_bits(z_bits[j], p.z_dtype), w = widen_bits(w_bits[j], p.norm_weight_dtype);
         store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
-                s_o[t][v] * s_rstd[t] * w * gate_act(z, p.gate_activation));
+                s_o[t][v] * rstd(t) * w * gate_act(z, p.gate_activation));
       }
       for (int i = threadIdx.x + ZPT * blockDim.x; i < tg * V; i += blockDim.x) {  // long passes on few warps
         const int t = i / V, v = i % V;
         const float z = load_f(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v);
         store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
-                s_o[t][v] * s_rstd[t] * load_f(p.norm_weight, p.norm_weight_dtype, v) * gate_act(z, p.gate_activation));
+                s_o[t][v] * rstd(t) * load_f(p.norm_weight, p.norm_weight_dtype, v) * gate_act(z, p.gate_activation));
       }
     }
     if (g0 + TS < len) __syncthreads();  // the staged tokens and outputs are reused by the next pass
