@@ -60,6 +60,23 @@ def pct_of_copy(us: float, copy_us: float) -> float:
 
 Key = tuple  # (state, B, T, impl)
 
+# Nominal DRAM bandwidth from the spec sheets (GB/s), by the name torch reports: the copy's share of
+# it puts "% of copy" on the issue's other scale. A device not listed gets no such line.
+NOMINAL_DRAM_GBPS = {"NVIDIA H100 80GB HBM3": 3352.0, "NVIDIA H200": 4800.0}
+
+
+def nominal_dram_GBps(device: str) -> float | None:
+    """The nominal peak of the device a report names ("NVIDIA H200, torch 2.11.0+cu130")."""
+    return NOMINAL_DRAM_GBPS.get(device.split(",")[0].strip())
+
+
+def copy_of_nominal(m: "Merged") -> str:
+    peak = nominal_dram_GBps(m.device)
+    if peak is None or not math.isfinite(m.copy_GBps):
+        return ""
+    return (f" ({100 * m.copy_GBps / peak:.0f}% of its nominal {peak:.0f} GB/s: a cell's % of nominal DRAM peak "
+            f"is its % of copy times {m.copy_GBps / peak:.2f})")
+
 
 def key(m: dict) -> Key:
     return (m["state"], int(m["B"]), int(m["T"]), m["impl"])
@@ -290,7 +307,8 @@ def render_report(m: Merged, states: list[str], batches: list[int], tokens: list
               "CUDA). — not timed (see below); ✗ disagrees with the reference; ᵉ not a CUDA graph (capture failed: "
               "eager launches).")
     parts = [f"MTP decode step (H={heads[0]}, HV={heads[1]}, K=V=128, bf16 q/k/v/z/out, gated RMSNorm epilogue, vLLM's padded "
-             f"pool); {m.device}; copy {m.copy_GBps:.0f} GB/s; median of {m.procs} processes", "", method, "",
+             f"pool); {m.device}; copy {m.copy_GBps:.0f} GB/s{copy_of_nominal(m)}; median of {m.procs} processes", "",
+             method, "",
              legend]
     for state in states:
         parts += ["", render_table(m, state, batches, tokens)]

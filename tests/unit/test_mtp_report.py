@@ -127,8 +127,17 @@ def test_the_report_holds_one_table_per_state_dtype_and_the_spread():
     m = r.merge_runs([run([grid_run()["times"]] + fp32), run([grid_run()["times"]] + fp32)])
     text = r.render_report(m, [BF16, FP32], [8, 512], [1, 2], "the method line")
     assert text.index("**state bfloat16**") < text.index("**state float32**") < text.index("Targets")
-    assert "copy 3000 GB/s; median of 2 processes" in text and "the method line" in text
-    assert "each timed value is the median of 2 of 2 processes." in text
+    assert "copy 3000 GB/s (89% of its nominal 3352 GB/s" in text and "; median of 2 processes" in text
+    assert "the method line" in text and "each timed value is the median of 2 of 2 processes." in text
+
+
+def test_the_copy_is_put_on_the_scale_of_the_device_s_nominal_dram_peak_where_it_is_known():
+    m = r.merge_runs([run([grid_run()["times"]])])
+    m.device, m.copy_GBps = "NVIDIA H200, torch 2.11.0+cu130", 4224.0
+    assert "copy 4224 GB/s (88% of its nominal 4800 GB/s: a cell's % of nominal DRAM peak is its % of copy " \
+           "times 0.88); median" in r.render_report(m, [BF16], [8], [1], "method")
+    m.device = "NVIDIA RTX 6000 Ada Generation, torch 2.11.0+cu130"
+    assert "copy 4224 GB/s; median" in r.render_report(m, [BF16], [8], [1], "method")
 
 
 def test_the_command_line_presets_and_its_refusals():
