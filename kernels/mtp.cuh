@@ -48,7 +48,7 @@ constexpr int64_t kMtpWideWarpsPerSm = 64;
 constexpr int kMtpNarrowWarps = 4;
 // Requests of at most two tokens past kMtpShortWarpsPerSm grid warps an SM take blocks of
 // kMtpShortWarps: twice the blocks an SM at the same registers, so a block's staging and epilogue
-// barriers stall half the warps (H200, T=2, B=128 and 512: 0.91x -> 0.95-1.00x vLLM's op; at B=32
+// barriers stall fewer warps (H200, T=2, B=128 and 512: 0.91x -> 0.95-1.00x vLLM's op; at B=32
 // the grid is one wave and 2-warp blocks run 0.73x, at T >= 4 they lose 1-3%).
 constexpr int64_t kMtpShortWarpsPerSm = 256;
 constexpr int kMtpShortWarps = 2;
@@ -829,8 +829,9 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
   const int chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
   // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
-  // then 8 warps a block, each two chunks; past kMtpWideWarpsPerSm warps an SM, 4 (H100, bench:
-  // benchmarks/results-h100-mtp.md).
+  // then 8 warps a block, each two chunks; past kMtpWideWarpsPerSm warps an SM, 4, or 2 for
+  // requests of at most two tokens past kMtpShortWarpsPerSm (benchmarks/results-h100-mtp.md,
+  // results-h200-mtp.md).
   const int64_t grid_warps = p.N * p.HV * chunks;
   const int wide = chunks < 16 ? chunks : 16;
   const bool short_requests = p.L <= 2 * p.N;
