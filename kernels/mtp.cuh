@@ -471,9 +471,13 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   using Raw = typename Chunk<ST>::Raw;
   extern __shared__ __align__(16) unsigned char s_ring_bytes[];
   const int depth = stream_ring_depth(chunks, warps, kStreamChunkRaws<VK, K, ST> * 32 * 16), mine_chunks = (chunks - warp + warps - 1) / warps;
-  Raw* const ring = reinterpret_cast<Raw*>(s_ring_bytes) + warp * depth * kStreamChunkRaws<VK, K, ST> * 32;
-  auto fetch = [&](int i) {  // the warp's i-th chunk into its slot
-    if (i < mine_chunks) raw_copy<VK, K, ST>(p, src, (warp + i * warps) * R, lane, ring + (i % depth) * kStreamChunkRaws<VK, K, ST> * 32);
+  constexpr int kSlotRaws = kStreamChunkRaws<VK, K, ST> * 32;
+  Raw* const ring = reinterpret_cast<Raw*>(s_ring_bytes) + warp * depth * kSlotRaws;
+  auto copy_chunk = [&](int i, int slot) {  // the warp's i-th chunk into ring slot `slot`
+    raw_copy<VK, K, ST>(p, src, (warp + i * warps) * R, lane, ring + slot * kSlotRaws);
+  };
+  auto fetch = [&](int i) {
+    if (i < mine_chunks) copy_chunk(i, i % depth);
     cp_async_commit();
   };
   // The first `depth` chunks, in kStreamRing groups (the rest empty), so that the wait below counts
@@ -481,7 +485,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   auto ring_start = [&]() {
 #pragma unroll
     for (int i = 0; i < kStreamRing; ++i) {
-      if (i < depth && i < mine_chunks) raw_copy<VK, K, ST>(p, src, (warp + i * warps) * R, lane, ring + i * kStreamChunkRaws<VK, K, ST> * 32);
+      if (i < depth && i < mine_chunks) copy_chunk(i, i);
       cp_async_commit();
     }
   };
@@ -570,7 +574,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         else if (depth == 2) cp_async_wait<1>();
         else cp_async_wait<0>();
         RawTile<VK, K, ST> raw;
-        raw_read<VK, K, ST>(ring + (i % depth) * kStreamChunkRaws<VK, K, ST> * 32, lane, raw);
+        raw_read<VK, K, ST>(ring + (i % depth) * kSlotRaws, lane, raw);
         raw_widen<VK, K, ST>(raw, hs);
       }
       // The slot is free once its values are in registers (the widening waited for them; in-order
@@ -763,10 +767,16 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
   }
 }
 
+// The grid's blocks along the requests: one a request, and with cu_seqlens one more, which zeroes
+// the rows after cu_seqlens[N] (request_span).
+inline unsigned request_blocks(const GdnDecodeParams& p) {
+  return static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
+}
+
 template <int K, typename ST, int BW, bool STREAM>
 int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM> : decode_vk_one_kernel<K, ST, BW, false, STREAM>;
-  const unsigned requests = static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
+  const unsigned requests = request_blocks(p);
   return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
                        p, stream);
 }
@@ -775,7 +785,7 @@ template <int K, typename ST, int BW, int TPW, bool STREAM>
 int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM>
                                 : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM>;
-  const unsigned requests = static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
+  const unsigned requests = request_blocks(p);
   int err = launch_decode(kernel, dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV), requests),
                           dim3(32), p, stream);
   if (err != 0 || p.gate_activation <= 0) return err;
@@ -817,7 +827,7 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
 template <bool VK, int K, typename ST, int BW>
 int launch_mtp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_kernel<VK, K, ST, BW, true> : decode_mtp_kernel<VK, K, ST, BW, false>;
-  const unsigned requests = static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
+  const unsigned requests = request_blocks(p);
   return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
                        p, stream);
 }
@@ -825,7 +835,7 @@ int launch_mtp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
 template <bool VK, int K, typename ST>
 int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
-  const unsigned requests = static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
+  const unsigned requests = request_blocks(p);
   const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
   const int chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
   // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
