@@ -393,6 +393,7 @@ void decode(const DecodeArgs& x) {
   p.device = device;
   p.sm_count = info.sm_count;
   p.pdl = x.pdl && info.cuda_arch >= 900;
+  p.clusters = info.cuda_arch >= 900;
   p.tokens = x.tokens;
   p.L = L;
   if (varlen) {

@@ -52,6 +52,16 @@ constexpr int kMtpNarrowWarps = 4;
 // the grid is one wave and 2-warp blocks run 0.73x, at T >= 4 they lose 1-3%).
 constexpr int64_t kMtpShortWarpsPerSm = 256;
 constexpr int kMtpShortWarps = 2;
+// Row groups of the streaming kernel (launch_mtp_stream): blocks a head at most 1 / kMtpGroupSmShare
+// of the SMs, each at least kMtpGroupChunks row chunks (blocks of fewer warps stage several tokens a
+// warp), at most kMtpMaxClusterGroups in a cluster (the portable size). H200, T = 2 / 4 / 8, µs, one
+// group -> this rule (benchmarks/results-h200-mtp.md): 16/32 heads B=1 bf16 9.2 / 11.2 / 16.6 ->
+// 8.5 / 9.7 / 13.3; 4/8 heads B=1 8.8 / 11.1 / 16.6 -> 7.7 / 8.9 / 12.6. Groups of 2-warp blocks
+// (4/8 at B=1 in 8 groups: 14.4 at T=8) and a grid past half the SMs (16/32 at B=1 in 4 groups:
+// 14.7) gain less; past one block an SM nothing.
+constexpr int kMtpGroupSmShare = 2;
+constexpr int kMtpGroupChunks = 4;
+constexpr int kMtpMaxClusterGroups = 8;
 // The one-token kernel's largest V (its outputs wait in shared memory for the epilogue).
 constexpr int kMaxOneRows = 128;
 
@@ -330,14 +340,15 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
   if (p.idx_columns == 0) tile_store<VK, K, ST, BW>(p, pool + start * p.state_stride_p + hv * block, v0, lane, hs);
 }
 
-// The streaming kernel: a request of at most kStreamTokens tokens a pass (any number with idx [N],
-// whose one slot carries the state from pass to pass), its tokens' q, k, gates staged once in shared
+// The streaming kernel: a request of at most kStreamTokens tokens a pass (any number with idx [N] and
+// an fp32 state, whose one slot carries it from pass to pass), its tokens' q, k, gates staged once in shared
 // memory, then each warp streams row chunks of the head's state through its registers: a chunk of
 // R rows is loaded (the next one already in flight), taken through every token, stored at each
 // checkpoint and dropped. Rows are independent in the recurrence (they share only the tokens'
 // scalars and the epilogue's mean over V), so a head needs registers for one chunk a warp, not the
 // whole head: many more heads per SM are in flight than in decode_mtp_kernel, which keeps the whole
-// head in registers and is left for requests with more than kStreamTokens checkpoint columns.
+// head in registers and is left for requests with more than kStreamTokens checkpoint columns. For the
+// same reason a head may be split into row groups, a block each (gridDim.z), in small grids.
 constexpr int kStreamTokens = 8;
 constexpr int kStreamRows = 8;
 
@@ -450,20 +461,29 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   const int group = lane - lane % LPR, mine = (lane % LPR) / F;
   const bool writer = lane % F == 0;
   const int64_t n = blockIdx.x, hv = blockIdx.y, h = qk_head(p, static_cast<uint32_t>(hv));
-  const bool epilogue = p.gate_activation > 0;
   const int V = static_cast<int>(p.V);
+  // The head's rows in gridDim.z groups, a block each (small grids: more SMs share a head). The
+  // epilogue's mean over V then needs every group's sums: the launch makes the blocks of a head a
+  // cluster (launch_mtp_stream) and they exchange them through distributed shared memory.
+  const int groups = static_cast<int>(gridDim.z), chunks = V / R / groups, c0 = static_cast<int>(blockIdx.z) * chunks;
+  const int row0 = c0 * R, rows = chunks * R;
+  const bool clustered = groups > 1 && cluster_size() > 1;
+  const bool epilogue = p.gate_activation > 0 && (groups == 1 || clustered);
 
   auto zero_rows = [&](int64_t first, int64_t end) {
-    for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
-      store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
+    for (int64_t i = threadIdx.x; i < (end - first) * rows; i += blockDim.x)
+      store_f(p.out, p.dtype, (first + i / rows) * p.out_stride_n + hv * p.out_stride_h + row0 + i % rows, 0.f);
   };
   int64_t bos, len, start;
+  // A cluster's blocks share the request, so they all return here or none does.
   if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  // Distributed shared memory is written only once every block of the cluster runs: this arrival is
+  // waited for after the staging.
+  if (clustered) cluster_arrive_relaxed();
   const int64_t block = p.K * p.V;
   ST* const pool = static_cast<ST*>(p.state);
   ST* const src = pool + start * p.state_stride_p + hv * block;
   const uint32_t a_log_bits = load_a_log_bits(p, hv);
-  const int chunks = V / R;
   // The warp's chunks c = warp, warp + warps, ... go through its ring of `depth` slots in shared
   // memory, kStreamRing of them in flight while one is computed (a group of async copies a
   // chunk, committed even where empty so that every wait counts the same). The first ones are
@@ -474,7 +494,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   constexpr int kSlotRaws = kStreamChunkRaws<VK, K, ST> * 32;
   Raw* const ring = reinterpret_cast<Raw*>(s_ring_bytes) + warp * depth * kSlotRaws;
   auto copy_chunk = [&](int i, int slot) {  // the warp's i-th chunk into ring slot `slot`
-    raw_copy<VK, K, ST>(p, src, (warp + i * warps) * R, lane, ring + slot * kSlotRaws);
+    raw_copy<VK, K, ST>(p, src, (c0 + warp + i * warps) * R, lane, ring + slot * kSlotRaws);
   };
   auto fetch = [&](int i) {
     if (i < mine_chunks) copy_chunk(i, i % depth);
@@ -500,73 +520,96 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
 #pragma unroll
       for (int j = 0; j < ZPT; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        const bool mine_i = i < tg * V;
-        const int t = mine_i ? i / V : 0, v = mine_i ? i % V : 0;
+        const bool mine_i = i < tg * rows;
+        const int t = mine_i ? i / rows : 0, v = row0 + (mine_i ? i % rows : 0);
         z_bits[j] = mine_i ? load_bits(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v) : 0u;
         w_bits[j] = mine_i ? load_bits(p.norm_weight, p.norm_weight_dtype, v) : 0u;
       }
     }
-    // Stage the pass's tokens, a warp a token.
-    for (int t = warp; t < tg; t += warps) {
-      const int64_t tok = bos + g0 + t;
-      // The checkpoint slot first: its load is in flight with the token's (not after them).
-      const int64_t dst = p.idx_columns > 0 && lane == 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t) : -1;
-      const int64_t qo = tok * p.q_stride_n + h * p.q_stride_h, ko = tok * p.k_stride_n + h * p.k_stride_h;
-      constexpr int KL = K / 32;
-      uint32_t qb[KL], kb[KL];
+    // Stage the pass's tokens, a warp a token: up to kStageAhead of a warp's tokens have their loads
+    // in flight together (a block of few warps stages several tokens a warp; one round trip each
+    // cost small blocks their gain). v: only the block's rows.
+    constexpr int KL = K / 32, VL = kStreamMaxV<K> / 32;
+    constexpr int kStageAhead = K > 128 || PER_CHANNEL ? 1 : 2;
+    struct TokenBits {
+      int64_t dst;
+      uint32_t q[KL], k[KL], v[VL], beta;
+      DecayBits d[PER_CHANNEL ? KL : 1];
+    };
+    for (int base = warp; base < tg; base += kStageAhead * warps) {
+      TokenBits tb[kStageAhead];
 #pragma unroll
-      for (int b = 0; b < KL; ++b) {
-        qb[b] = load_bits(p.q, p.dtype, qo + lane + 32 * b);
-        kb[b] = load_bits(p.k, p.dtype, ko + lane + 32 * b);
-      }
-      DecayBits d_bits[PER_CHANNEL ? KL : 1];
-      if constexpr (PER_CHANNEL) {
+      for (int j = 0; j < kStageAhead; ++j) {
+        const int t = base + j * warps;
+        if (t >= tg) break;
+        const int64_t tok = bos + g0 + t;
+        TokenBits& b = tb[j];
+        b.dst = p.idx_columns > 0 && lane == 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t) : -1;
+        const int64_t qo = tok * p.q_stride_n + h * p.q_stride_h, ko = tok * p.k_stride_n + h * p.k_stride_h;
 #pragma unroll
-        for (int b = 0; b < KL; ++b) d_bits[b] = load_decay_bits(p, tok, hv, lane + 32 * b);
-      } else {
-        d_bits[0] = load_decay_bits(p, tok, hv, -1);
-      }
-      const uint32_t beta_bits = load_beta_bits(p, tok, hv);
-      // Unrolled to the bound, not V: the loads go out together instead of one round trip each.
+        for (int c = 0; c < KL; ++c) {
+          b.q[c] = load_bits(p.q, p.dtype, qo + lane + 32 * c);
+          b.k[c] = load_bits(p.k, p.dtype, ko + lane + 32 * c);
+        }
+        if constexpr (PER_CHANNEL) {
 #pragma unroll
-      for (int j = 0; j < kStreamMaxV<K> / 32; ++j) {
-        const int v = lane + 32 * j;
-        if (v < V) s_v[t][v] = load_f(p.v, p.dtype, tok * p.v_stride_n + hv * p.v_stride_h + v);
-      }
-      float qv[KL], kv[KL];
-      widen_all<KL>(qb, p.dtype, qv);
-      widen_all<KL>(kb, p.dtype, kv);
-      float sqq = 0.f, skk = 0.f, sqk = 0.f;
+          for (int c = 0; c < KL; ++c) b.d[c] = load_decay_bits(p, tok, hv, lane + 32 * c);
+        } else {
+          b.d[0] = load_decay_bits(p, tok, hv, -1);
+        }
+        b.beta = load_beta_bits(p, tok, hv);
 #pragma unroll
-      for (int b = 0; b < KL; ++b) {
-        sqq += qv[b] * qv[b];
-        skk += kv[b] * kv[b];
-        sqk += qv[b] * kv[b];
+        for (int c = 0; c < VL; ++c) {
+          const int r = lane + 32 * c;
+          b.v[c] = r < rows ? load_bits(p.v, p.dtype, tok * p.v_stride_n + hv * p.v_stride_h + row0 + r) : 0u;
+        }
       }
-      const QkScales sc = warp_qk_scales<1, 32>(p, sqq, skk, sqk);
 #pragma unroll
-      for (int b = 0; b < KL; ++b) {
-        s_k[t][lane + 32 * b] = kv[b] * sc.k;
-        s_q[t][lane + 32 * b] = qv[b] * sc.q;
-      }
-      if constexpr (PER_CHANNEL) {
-        float d[KL];
-        decays<KL>(p, d_bits, a_log_bits, d);
+      for (int j = 0; j < kStageAhead; ++j) {
+        const int t = base + j * warps;
+        if (t >= tg) break;
+        const TokenBits& b = tb[j];
 #pragma unroll
-        for (int b = 0; b < KL; ++b) s_d[t][lane + 32 * b] = d[b];
-      }
-      if (lane == 0) {
-        s_beta[t] = beta_of(p, beta_bits);
-        s_qk[t] = sc.qk;
-        s_decay[t] = PER_CHANNEL ? 1.f : decay_of(p, d_bits[0], a_log_bits);
-        s_dst[t] = slot_valid(p, dst) ? dst : -1;  // -1: no checkpoint (idx [N], or an invalid slot)
+        for (int c = 0; c < VL; ++c) {
+          const int r = lane + 32 * c;
+          if (r < rows) s_v[t][row0 + r] = widen_bits(b.v[c], p.dtype);
+        }
+        float qv[KL], kv[KL];
+        widen_all<KL>(b.q, p.dtype, qv);
+        widen_all<KL>(b.k, p.dtype, kv);
+        float sqq = 0.f, skk = 0.f, sqk = 0.f;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) {
+          sqq += qv[c] * qv[c];
+          skk += kv[c] * kv[c];
+          sqk += qv[c] * kv[c];
+        }
+        const QkScales sc = warp_qk_scales<1, 32>(p, sqq, skk, sqk);
+#pragma unroll
+        for (int c = 0; c < KL; ++c) {
+          s_k[t][lane + 32 * c] = kv[c] * sc.k;
+          s_q[t][lane + 32 * c] = qv[c] * sc.q;
+        }
+        if constexpr (PER_CHANNEL) {
+          float d[KL];
+          decays<KL>(p, b.d, a_log_bits, d);
+#pragma unroll
+          for (int c = 0; c < KL; ++c) s_d[t][lane + 32 * c] = d[c];
+        }
+        if (lane == 0) {
+          s_beta[t] = beta_of(p, b.beta);
+          s_qk[t] = sc.qk;
+          s_decay[t] = PER_CHANNEL ? 1.f : decay_of(p, b.d[0], a_log_bits);
+          s_dst[t] = slot_valid(p, b.dst) ? b.dst : -1;  // -1: no checkpoint (idx [N], or an invalid slot)
+        }
       }
     }
     __syncthreads();
+    if (clustered && g0 == 0) cluster_wait();
 
-    // Stream the head's row chunks through the warps, the next chunk's load in flight.
+    // Stream the block's row chunks through the warps, the next chunk's load in flight.
     for (int i = 0; i < mine_chunks; ++i) {
-      const int v0 = (warp + i * warps) * R;
+      const int v0 = (c0 + warp + i * warps) * R;
       float hs[NV][NK];
       {
         // Chunk i is in the group issued depth groups before the newest.
@@ -616,7 +659,11 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
           // The epilogue's sum of squares, a warp's rows at a time (the writers hold each row once).
           const float ss = warp_sum(writer ? o * o : 0.f);
           if (writer) s_o[t][my_row] = o;
-          if (lane == 0) s_ss[t][v0 / R] = ss;
+          if (!clustered) {
+            if (lane == 0) s_ss[t][v0 / R] = ss;
+          } else if (lane < groups) {
+            store_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss);  // into every block of the head
+          }
         } else if (writer) {
           store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + my_row, o);
         }
@@ -641,30 +688,45 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     }
 
     if (epilogue) {
-      __syncthreads();
-      // Token t's 1 / rms from its chunks' sums (a warp's threads share t: broadcast reads).
+      if (clustered) {
+        cluster_arrive();
+        cluster_wait();
+      } else {
+        __syncthreads();
+      }
+      // Token t's 1 / rms from the head's chunk sums in chunk order, whichever blocks made them (a
+      // warp's threads share t: broadcast reads).
       auto rstd = [&](int t) {
         float ss = 0.f;
-        for (int c = 0; c < chunks; ++c) ss += s_ss[t][c];
+        for (int c = 0; c < V / R; ++c) ss += s_ss[t][c];
         return rsqrtf(ss / static_cast<float>(V) + p.norm_eps);
       };
 #pragma unroll
       for (int j = 0; j < ZPT; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        if (i >= tg * V) break;
-        const int t = i / V, v = i % V;
+        if (i >= tg * rows) break;
+        const int t = i / rows, v = row0 + i % rows;
         const float z = widen_bits(z_bits[j], p.z_dtype), w = widen_bits(w_bits[j], p.norm_weight_dtype);
         store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
                 s_o[t][v] * rstd(t) * w * gate_act(z, p.gate_activation));
       }
-      for (int i = threadIdx.x + ZPT * blockDim.x; i < tg * V; i += blockDim.x) {  // long passes on few warps
-        const int t = i / V, v = i % V;
+      for (int i = threadIdx.x + ZPT * blockDim.x; i < tg * rows; i += blockDim.x) {  // long passes on few warps
+        const int t = i / rows, v = row0 + i % rows;
         const float z = load_f(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v);
         store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
                 s_o[t][v] * rstd(t) * load_f(p.norm_weight, p.norm_weight_dtype, v) * gate_act(z, p.gate_activation));
       }
     }
-    if (g0 + TS < len) __syncthreads();  // the staged tokens and outputs are reused by the next pass
+    // The staged tokens, outputs and sums are reused by the next pass (in a cluster, sums arrive from
+    // the other blocks).
+    if (g0 + TS < len) {
+      if (clustered) {
+        cluster_arrive();
+        cluster_wait();
+      } else {
+        __syncthreads();
+      }
+    }
   }
 }
 
@@ -837,24 +899,35 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
   const unsigned requests = request_blocks(p);
   const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
-  const int chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
+  const int head_chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
+  // Row groups (decode_mtp_stream_kernel): while a block a head fills at most kMtpGroupSmShare of
+  // the SMs, the head's rows split over twice the blocks, each of at least kMtpGroupChunks chunks, so
+  // that more SMs share the step; with the epilogue its sums go through a cluster (sm_90+ images).
+  const bool epilogue = p.gate_activation > 0;
+  const int max_groups = !epilogue ? head_chunks : p.clusters ? kMtpMaxClusterGroups : 1;
+  int groups = 1;
+  while (groups * 2 <= max_groups && head_chunks % (groups * 2) == 0 && head_chunks / (groups * 2) >= kMtpGroupChunks &&
+         p.N * p.HV * groups * 2 * kMtpGroupSmShare <= sms)
+    groups *= 2;
+  const int chunks = head_chunks / groups;
   // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
   // then 8 warps a block, each two chunks; past kMtpWideWarpsPerSm warps an SM, 4, or 2 for
   // requests of at most two tokens past kMtpShortWarpsPerSm (benchmarks/results-h100-mtp.md,
   // results-h200-mtp.md).
-  const int64_t grid_warps = p.N * p.HV * chunks;
+  const int64_t grid_warps = p.N * p.HV * head_chunks;
   const int wide = chunks < 16 ? chunks : 16;
   const bool short_requests = p.L <= 2 * p.N;
   const int warps = grid_warps <= 16 * sms                  ? wide
                     : grid_warps <= kMtpWideWarpsPerSm * sms ? (wide < 8 ? wide : 8)
                     : short_requests && grid_warps > kMtpShortWarpsPerSm * sms && chunks >= kMtpShortWarps
                         ? kMtpShortWarps
-                        : kMtpNarrowWarps;
+                        : (wide < kMtpNarrowWarps ? wide : kMtpNarrowWarps);
   const size_t ring = size_t(warps) * stream_ring_depth(chunks, warps, chunk_bytes) * chunk_bytes;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
-  return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(warps) * 32), p,
-                       stream, ring);
+  return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV), static_cast<unsigned>(groups)),
+                       dim3(static_cast<unsigned>(warps) * 32), p, stream, ring,
+                       epilogue && groups > 1 ? static_cast<unsigned>(groups) : 1u);
 }
 
 template <bool VK, int K, typename ST>
@@ -863,7 +936,12 @@ int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
     if (one_token_call(p)) return launch_vk_one<ST>(p, stream);
   }
   // More checkpoint columns than a pass stages: only the resident kernel carries the state across.
-  if (p.idx_columns > kStreamTokens) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
+  // So too for a bf16 state with idx [N] where a request may have more tokens than a pass: the
+  // streaming kernel would carry it from pass to pass through the slot, rounded to bf16 mid-request
+  // (cu_seqlens is not read on the host: any request may then hold all L rows).
+  const bool long_requests = p.idx_columns == 0 && (p.cu_seqlens != nullptr ? p.L : p.tokens) > kStreamTokens;
+  if (p.idx_columns > kStreamTokens || (!std::is_same_v<ST, float> && long_requests))
+    return launch_mtp_rows<VK, K, ST, 16>(p, stream);
   // About one token a request (rows <= requests: the epilogue alone, or vLLM's MTP call at T = 1) in
   // a grid of at most two heads per SM: the resident kernel has the shorter path there (no staging,
   // one barrier), and streaming gains nothing. Either kernel computes any call; this is speed only.

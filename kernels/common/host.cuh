@@ -47,17 +47,26 @@ inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int
 
 // Launches `kernel(p)` with the programmatic-dependent-launch attribute where the params ask for
 // it; every decode launch goes through here. Returns the cudaError_t as an int.
+// cluster_z > 1: the grid's blocks in thread block clusters of that many along z (sm_90+ images).
 template <typename Kernel>
 int launch_decode(Kernel kernel, dim3 grid, dim3 block, const GdnDecodeParams& p, cudaStream_t stream,
-                  size_t dynamic_smem = 0) {
+                  size_t dynamic_smem = 0, unsigned cluster_z = 1) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = dynamic_smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
-  cfg.numAttrs = add_pdl(p, attr, 0);
+  int n = 0;
+  if (cluster_z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = 1;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = cluster_z;
+    ++n;
+  }
+  cfg.numAttrs = add_pdl(p, attr, n);
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 

@@ -22,6 +22,47 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// Thread block clusters (sm_90+; launched only from sm_90+ images, GdnDecodeParams::clusters).
+// cluster_size: the blocks of this block's cluster, 1 where the launch made none. The barrier's
+// arrive (release) and wait (acquire) are each executed by every thread of every block.
+__device__ __forceinline__ unsigned cluster_size() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned n;
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
+#else
+  return 1;
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+// Stores x at `local` (this block's shared memory) as seen in the shared memory of cluster block `rank`.
+__device__ __forceinline__ void store_cluster(float* local, unsigned rank, float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  uint32_t remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+  // No "memory" clobber: it would keep the compiler from moving shared loads across the store in a
+  // kernel's loop; the cluster barrier before any read of the value orders it.
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(x));
+#else
+  *local = x;
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

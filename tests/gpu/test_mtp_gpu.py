@@ -32,11 +32,11 @@ K = V = 128. Then: HEAD_DIMS, 10 calls with K, V of 64 and 256 (both layouts and
 each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Next's heads 16/32,
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8 and varying T (6). Beyond
 those: T = 1 with the epilogue only (12), vLLM's T = 1 call in every range of the one-token launch rule
-(16), the epilogue against the reference's epilogue of the
+(16), the streaming kernel's row groups on small grids (5), the epilogue against the reference's epilogue of the
 unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
 (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
 tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-97 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
+102 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
 is most of the rest, a few seconds for the largest engine batch.
 """
 
@@ -132,6 +132,28 @@ def test_one_token_calls_in_every_range_of_the_launch_rule(state, pairs_per_sm, 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = mc.Case(H=16, tokens="single", state=state, epilogue=epilogue, seed=530)
     n = max(1, int(pairs_per_sm * sms / (case.H * case.group)))
+    mc.run_and_check(replace(case, N=n), DEVICE)
+
+
+# The streaming kernel's row groups (kernels/mtp.cuh, launch_mtp_stream): while a block a head would
+# fill at most half the SMs, the head's rows split over several blocks, a cluster of them with the
+# epilogue. One value head and N from this GPU's SM count (sms / 16 requests: four groups of four
+# warps). With idx [N] and an fp32 state, 12 tokens a request take two passes of the staged tokens,
+# the cluster's barrier between them; a bf16 state is carried in fp32 by the resident kernel instead.
+ROW_GROUPS = [
+    mc.Case(H=1, group=1, seed=540),  # vLLM's call
+    mc.Case(H=1, group=1, tokens="T12", slots="final", state="fp32", seed=544),
+    mc.Case(H=1, group=1, tokens="T12", slots="final", layout="kv", state="fp32", kind="kda", epilogue="sigmoid",
+            gates="pre", seed=542),
+    mc.Case(H=1, group=1, tokens="T12", slots="final", seed=541),  # bf16: the resident kernel
+    mc.Case(H=1, group=1, tokens="T3", slots="ckpt", epilogue="none", state="fp32", seed=543),  # no cluster
+]
+
+
+@pytest.mark.parametrize("case", ROW_GROUPS, ids=mc.case_id)
+def test_a_head_split_in_row_groups_computes_the_same_step(case):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = len(mc.VARLEN) if case.tokens == "varlen" else max(6, sms // 16)
     mc.run_and_check(replace(case, N=n), DEVICE)
 
 
