@@ -204,6 +204,13 @@ __device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n
   return true;
 }
 
+// A block's (request, value head) in the grids of request_blocks(p) x HV blocks along x, heads
+// fastest: the blocks of request N (a cu_seqlens launch's extra blocks, which only zero rows) come
+// last in the order blocks are scheduled, after every request's (interleaved, they cost a grid of one
+// block an SM a second wave: H200, bf16 T=1 B=4 7.2 -> 6.5 µs).
+__device__ __forceinline__ int64_t block_request(const GdnDecodeParams& p) { return blockIdx.x / static_cast<uint32_t>(p.HV); }
+__device__ __forceinline__ int64_t block_head(const GdnDecodeParams& p) { return blockIdx.x % static_cast<uint32_t>(p.HV); }
+
 template <bool VK, int K, typename ST, int BW, bool PER_CHANNEL>
 __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p) {
   using Sh = MtpShape<VK, K, ST, BW>;
@@ -219,7 +226,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
   const int group = lane - lane % LPR, mine = (lane % LPR) / F;
   const bool writer = lane % F == 0;
   const int my_row = v0 + row_of<Sh, VK>(lane, mine);
-  const int64_t n = blockIdx.x, hv = blockIdx.y, h = qk_head(p, static_cast<uint32_t>(hv));
+  const int64_t n = block_request(p), hv = block_head(p), h = qk_head(p, static_cast<uint32_t>(hv));
   const bool epilogue = p.gate_activation > 0;
 
   auto zero_rows = [&](int64_t first, int64_t end) {
@@ -460,7 +467,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int group = lane - lane % LPR, mine = (lane % LPR) / F;
   const bool writer = lane % F == 0;
-  const int64_t n = blockIdx.x, hv = blockIdx.y, h = qk_head(p, static_cast<uint32_t>(hv));
+  const int64_t n = block_request(p), hv = block_head(p), h = qk_head(p, static_cast<uint32_t>(hv));
   const int V = static_cast<int>(p.V);
   // The head's rows in gridDim.z groups, a block each (small grids: more SMs share a head). The
   // epilogue's mean over V then needs every group's sums: the launch makes the blocks of a head a
@@ -745,7 +752,7 @@ __global__ void __launch_bounds__(512) decode_vk_one_kernel(const GdnDecodeParam
   __shared__ float s_sumsq[16];
   pdl_enter();
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const int64_t n = blockIdx.x, hv = blockIdx.y;
+  const int64_t n = block_request(p), hv = block_head(p);
   const int V = static_cast<int>(p.V);
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
@@ -839,7 +846,7 @@ template <int K, typename ST, int BW, bool STREAM>
 int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM> : decode_vk_one_kernel<K, ST, BW, false, STREAM>;
   const unsigned requests = request_blocks(p);
-  return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
+  return launch_decode(kernel, dim3(requests * static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
                        p, stream);
 }
 
@@ -863,8 +870,9 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 
 // Which one-token kernel and build. bf16 state takes the block kernel from half a (request, head)
 // pair an SM to four (fewer leave SMs idle: a block a pair); with the epilogue, fp32 state takes it
-// too, 16-warp blocks up to a pair an SM and 8-warp blocks up to four (its second launch costs more
-// there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op). Elsewhere
+// too, 16-warp blocks up to a pair an SM and 8-warp blocks up to sixteen (its second launch costs
+// more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
+// 64 41.4 / 76.0 -> 40.1 / 75.0 µs; for bf16 no gain past four, 47.0 against 45.6 µs at B=64). Elsewhere
 // the warp kernel's builds and the separate epilogue (H100, benchmarks/results-h100-mtp.md).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
@@ -872,7 +880,7 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const bool epilogue = p.gate_activation > 0;
   if constexpr (std::is_same_v<ST, float>) {
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
-    if (epilogue && pairs > sms && pairs <= 4 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
@@ -890,7 +898,7 @@ template <bool VK, int K, typename ST, int BW>
 int launch_mtp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_kernel<VK, K, ST, BW, true> : decode_mtp_kernel<VK, K, ST, BW, false>;
   const unsigned requests = request_blocks(p);
-  return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
+  return launch_decode(kernel, dim3(requests * static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
                        p, stream);
 }
 
@@ -925,7 +933,7 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   const size_t ring = size_t(warps) * stream_ring_depth(chunks, warps, chunk_bytes) * chunk_bytes;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
-  return launch_decode(kernel, dim3(requests, static_cast<unsigned>(p.HV), static_cast<unsigned>(groups)),
+  return launch_decode(kernel, dim3(requests * static_cast<unsigned>(p.HV), 1, static_cast<unsigned>(groups)),
                        dim3(static_cast<unsigned>(warps) * 32), p, stream, ring,
                        epilogue && groups > 1 ? static_cast<unsigned>(groups) : 1u);
 }
