@@ -291,14 +291,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
       for (int b = 0; b < NK; ++b) decay[b] = d;
     }
     const float beta = beta_of(p, beta_bits);
-    float sqq = 0.f, skk = 0.f, sqk = 0.f;
-#pragma unroll
-    for (int b = 0; b < NK; ++b) {
-      sqq += qv[b] * qv[b];
-      skk += kv[b] * kv[b];
-      sqk += qv[b] * kv[b];
-    }
-    const QkScales sc = warp_qk_scales<1, LPR>(p, sqq, skk, sqk);
+    const QkScales sc = lane_qk_scales<1, LPR>(p, qv, kv);
     float kk[NK], kd[NK], qd[NK];
 #pragma unroll
     for (int b = 0; b < NK; ++b) {
@@ -584,14 +577,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         float qv[KL], kv[KL];
         widen_all<KL>(b.q, p.dtype, qv);
         widen_all<KL>(b.k, p.dtype, kv);
-        float sqq = 0.f, skk = 0.f, sqk = 0.f;
-#pragma unroll
-        for (int c = 0; c < KL; ++c) {
-          sqq += qv[c] * qv[c];
-          skk += kv[c] * kv[c];
-          sqk += qv[c] * kv[c];
-        }
-        const QkScales sc = warp_qk_scales<1, 32>(p, sqq, skk, sqk);
+        const QkScales sc = lane_qk_scales<1, 32>(p, qv, kv);
 #pragma unroll
         for (int c = 0; c < KL; ++c) {
           s_k[t][lane + 32 * c] = kv[c] * sc.k;

@@ -138,15 +138,8 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
     decay[0] = decay_of(p, d_bits[0], a_log_bits);
   }
   const float beta = beta_of(p, beta_bits);
-  float sqq = 0.f, skk = 0.f, sqk = 0.f;
-#pragma unroll
-  for (int j = 0; j < NR; ++j) {
-    sqq += qv[j] * qv[j];
-    skk += kv[j] * kv[j];
-    sqk += qv[j] * kv[j];
-  }
   // Each row group's lanes hold the same sums: add across the groups only.
-  const QkScales sc = warp_qk_scales<CPR, 32>(p, sqq, skk, sqk);
+  const QkScales sc = lane_qk_scales<CPR, 32>(p, qv, kv);
   if constexpr (PER_CHANNEL) {
 #pragma unroll
     for (int j = 0; j < NR; ++j) qv[j] *= decay[j];

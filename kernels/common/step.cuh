@@ -118,6 +118,19 @@ __device__ __forceinline__ QkScales warp_qk_scales(const GdnDecodeParams& p, flo
   return qk_scales(p, sqq, skk, sqk);
 }
 
+// The same from a lane's N channels of q and k: its three sums, then warp_qk_scales.
+template <int FIRST, int END, int N>
+__device__ __forceinline__ QkScales lane_qk_scales(const GdnDecodeParams& p, const float (&qv)[N], const float (&kv)[N]) {
+  float sqq = 0.f, skk = 0.f, sqk = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    sqq += qv[j] * qv[j];
+    skk += kv[j] * kv[j];
+    sqk += qv[j] * kv[j];
+  }
+  return warp_qk_scales<FIRST, END>(p, sqq, skk, sqk);
+}
+
 // The q/k head value head hv reads: HV is a multiple of H (grouped value heads), so this is
 // hv / (HV / H). 32-bit: it is on the path to the q/k loads, and head counts are small.
 __device__ __forceinline__ uint32_t qk_head(const GdnDecodeParams& p, uint32_t hv) {
