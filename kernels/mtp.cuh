@@ -86,6 +86,26 @@ __device__ __forceinline__ float group_sum(float x) {
 __device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t i) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
+// An index's bits (int32 in lo, or int64), loaded apart from its widening: a load under a condition
+// is then not waited for where it is made (request_span).
+struct IndexBits {
+  uint32_t lo, hi;
+};
+__device__ __forceinline__ IndexBits load_index_bits(const void* p, bool is64, int64_t i) {
+  IndexBits b;
+  if (is64) {
+    const uint2 x = static_cast<const uint2*>(p)[i];
+    b.lo = x.x;
+    b.hi = x.y;
+  } else {
+    b.lo = static_cast<const uint32_t*>(p)[i];
+    b.hi = 0u;
+  }
+  return b;
+}
+__device__ __forceinline__ int64_t widen_index(IndexBits b, bool is64) {
+  return is64 ? static_cast<int64_t>((uint64_t(b.hi) << 32) | b.lo) : static_cast<int64_t>(static_cast<int32_t>(b.lo));
+}
 
 // The warp's tile of one slot: load into fp32 registers, store narrowed to the state dtype. S: the
 // head's block in the slot; v0: the warp's first value row.
@@ -166,37 +186,31 @@ __device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n
     return false;
   }
   // Every index the request needs is loaded before any is used, so that the state's load waits on
-  // one round trip, not three (cu_seqlens, then num_accepted_tokens, then idx): the candidate
-  // starting slots of up to kStreamTokens columns are all read, and one is picked.
-  constexpr int kCols = 8;
+  // one round trip: lane c loads column c of the request's idx row, lanes 0-2 also
+  // num_accepted_tokens[n], cu_seqlens[n] and [n + 1], each as raw bits (IndexBits), and shuffles
+  // hand them round. Loaded alike by every lane, the compiler kept each index in a uniform register
+  // and waited for it as it was loaded; widened where it was loaded, under a condition, the wait
+  // came there: a round trip an index (sm_90a SASS).
+  const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t cols = p.idx_columns;
-  const int64_t acc = p.accepted != nullptr ? load_index(p.accepted, p.accepted_is_int64, n) : 1;
-  int64_t cand[kCols];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    cand[c] = c == 0 || c < cols ? load_index(p.idx, p.idx_is_int64, cols > 0 ? n * cols + c : n) : -1;
-  }
-  if (p.cu_seqlens != nullptr) {
-    bos = load_index(p.cu_seqlens, p.cu_is_int64, n);
-    len = load_index(p.cu_seqlens, p.cu_is_int64, n + 1) - bos;
-  } else {
-    bos = n * p.tokens;
-    len = p.tokens;
-  }
+  const bool varlen = p.cu_seqlens != nullptr;
+  const int64_t column_at = cols > 0 ? n * cols + (lane < cols ? lane : cols - 1) : n;
+  const IndexBits column = load_index_bits(p.idx, p.idx_is_int64, column_at);
+  const bool lane_acc = lane == 0 && p.accepted != nullptr, lane_cu = lane >= 1 && lane <= 2 && varlen;
+  const bool mine_is64 = lane_acc ? p.accepted_is_int64 : lane_cu ? p.cu_is_int64 : p.idx_is_int64;
+  const IndexBits mine = load_index_bits(lane_acc ? p.accepted : lane_cu ? p.cu_seqlens : p.idx, mine_is64,
+                                         lane_acc ? n : lane_cu ? n + lane - 1 : column_at);
+  const int64_t mine_index = widen_index(mine, mine_is64);
+  const int64_t acc = p.accepted != nullptr ? __shfl_sync(0xffffffffu, mine_index, 0) : 1;
+  bos = varlen ? __shfl_sync(0xffffffffu, mine_index, 1) : n * p.tokens;
+  len = varlen ? __shfl_sync(0xffffffffu, mine_index, 2) - bos : p.tokens;
   // cu_seqlens is not read on the host (no synchronisation): a request whose rows fall outside the
   // call's, or outnumber idx's columns, is skipped, never read or written out of bounds.
   if (len <= 0 || bos < 0 || bos + len > p.L || (cols > 0 && len > cols)) return false;
-  if (cols > 0) {
-    const int64_t col = acc - 1;
-    start = -1;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      if (col == c) start = cand[c];
-    }
-    if (col >= kCols && col < cols) start = load_index(p.idx, p.idx_is_int64, n * cols + col);
-  } else {
-    start = cand[0];
-  }
+  const int64_t col = cols > 0 ? acc - 1 : 0;  // idx [N]: its one column
+  start = __shfl_sync(0xffffffffu, widen_index(column, p.idx_is_int64), static_cast<int>(col & 31));
+  if (col < 0 || (cols > 0 && col >= cols)) start = -1;
+  else if (col >= 32) start = load_index(p.idx, p.idx_is_int64, n * cols + col);
   if (!slot_valid(p, start)) {
     zero_rows(bos, bos + len);
     return false;
@@ -536,7 +550,11 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
       uint32_t q[KL], k[KL], v[VL], beta;
       DecayBits d[PER_CHANNEL ? KL : 1];
     };
-    for (int base = warp; base < tg; base += kStageAhead * warps) {
+    // With twice the pass's tokens in warps, two warps stage a token: one its q and k (their loads and
+    // norms), one the rest (v, gates, checkpoint slot), so the staging the other warps wait for at the
+    // barrier is the longer of the two halves, not their sum.
+    const bool split = 2 * tg <= warps, stage_qk = !split || warp < tg, stage_rest = !split || warp >= tg;
+    for (int base = split && warp >= tg ? warp - tg : warp; base < tg; base += kStageAhead * warps) {
       TokenBits tb[kStageAhead];
 #pragma unroll
       for (int j = 0; j < kStageAhead; ++j) {
@@ -544,13 +562,16 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         if (t >= tg) break;
         const int64_t tok = bos + g0 + t;
         TokenBits& b = tb[j];
-        b.dst = p.idx_columns > 0 && lane == 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t) : -1;
-        const int64_t qo = tok * p.q_stride_n + h * p.q_stride_h, ko = tok * p.k_stride_n + h * p.k_stride_h;
+        if (stage_qk) {
+          const int64_t qo = tok * p.q_stride_n + h * p.q_stride_h, ko = tok * p.k_stride_n + h * p.k_stride_h;
 #pragma unroll
-        for (int c = 0; c < KL; ++c) {
-          b.q[c] = load_bits(p.q, p.dtype, qo + lane + 32 * c);
-          b.k[c] = load_bits(p.k, p.dtype, ko + lane + 32 * c);
+          for (int c = 0; c < KL; ++c) {
+            b.q[c] = load_bits(p.q, p.dtype, qo + lane + 32 * c);
+            b.k[c] = load_bits(p.k, p.dtype, ko + lane + 32 * c);
+          }
         }
+        if (!stage_rest) continue;
+        b.dst = p.idx_columns > 0 && lane == 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t) : -1;
         if constexpr (PER_CHANNEL) {
 #pragma unroll
           for (int c = 0; c < KL; ++c) b.d[c] = load_decay_bits(p, tok, hv, lane + 32 * c);
@@ -569,19 +590,23 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         const int t = base + j * warps;
         if (t >= tg) break;
         const TokenBits& b = tb[j];
+        if (stage_qk) {
+          float qv[KL], kv[KL];
+          widen_all<KL>(b.q, p.dtype, qv);
+          widen_all<KL>(b.k, p.dtype, kv);
+          const QkScales sc = lane_qk_scales<1, 32>(p, qv, kv);
+#pragma unroll
+          for (int c = 0; c < KL; ++c) {
+            s_k[t][lane + 32 * c] = kv[c] * sc.k;
+            s_q[t][lane + 32 * c] = qv[c] * sc.q;
+          }
+          if (lane == 0) s_qk[t] = sc.qk;
+        }
+        if (!stage_rest) continue;
 #pragma unroll
         for (int c = 0; c < VL; ++c) {
           const int r = lane + 32 * c;
           if (r < rows) s_v[t][row0 + r] = widen_bits(b.v[c], p.dtype);
-        }
-        float qv[KL], kv[KL];
-        widen_all<KL>(b.q, p.dtype, qv);
-        widen_all<KL>(b.k, p.dtype, kv);
-        const QkScales sc = lane_qk_scales<1, 32>(p, qv, kv);
-#pragma unroll
-        for (int c = 0; c < KL; ++c) {
-          s_k[t][lane + 32 * c] = kv[c] * sc.k;
-          s_q[t][lane + 32 * c] = qv[c] * sc.q;
         }
         if constexpr (PER_CHANNEL) {
           float d[KL];
@@ -591,7 +616,6 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         }
         if (lane == 0) {
           s_beta[t] = beta_of(p, b.beta);
-          s_qk[t] = sc.qk;
           s_decay[t] = PER_CHANNEL ? 1.f : decay_of(p, b.d[0], a_log_bits);
           s_dst[t] = slot_valid(p, b.dst) ? b.dst : -1;  // -1: no checkpoint (idx [N], or an invalid slot)
         }
@@ -855,11 +879,12 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 }
 
 // Which one-token kernel and build. bf16 state takes the block kernel from half a (request, head)
-// pair an SM to four (fewer leave SMs idle: a block a pair); with the epilogue, fp32 state takes it
+// pair an SM to eight (fewer leave SMs idle: a block a pair); with the epilogue, fp32 state takes it
 // too, 16-warp blocks up to a pair an SM and 8-warp blocks up to sixteen (its second launch costs
 // more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
-// 64 41.4 / 76.0 -> 40.1 / 75.0 µs; for bf16 no gain past four, 47.0 against 45.6 µs at B=64). Elsewhere
-// the warp kernel's builds and the separate epilogue (H100, benchmarks/results-h100-mtp.md).
+// 64 41.4 / 76.0 -> 40.1 / 75.0 µs; bf16 B=32, 7.8 pairs an SM, 26.6 -> 24.2 µs, but at B=64 47.0
+// against 45.6 µs for the split). Elsewhere the warp kernel's builds and the separate epilogue (H100,
+// benchmarks/results-h100-mtp.md).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
@@ -872,7 +897,7 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
   } else {
     if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
-    if (pairs <= 4 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);
     return launch_vk_one_split<128, ST, 16, 1, false>(p, stream);
   }
