@@ -54,11 +54,13 @@ constexpr int64_t kMtpShortWarpsPerSm = 256;
 constexpr int kMtpShortWarps = 2;
 // Row groups of the streaming kernel (launch_mtp_stream): blocks a head at most 1 / kMtpGroupSmShare
 // of the SMs, each at least kMtpGroupChunks row chunks (blocks of fewer warps stage several tokens a
-// warp), at most kMtpMaxClusterGroups in a cluster (the portable size). H200, T = 2 / 4 / 8, µs, one
-// group -> this rule (benchmarks/results-h200-mtp.md): 16/32 heads B=1 bf16 9.2 / 11.2 / 16.6 ->
-// 8.5 / 9.7 / 13.3; 4/8 heads B=1 8.8 / 11.1 / 16.6 -> 7.7 / 8.9 / 12.6. Groups of 2-warp blocks
-// (4/8 at B=1 in 8 groups: 14.4 at T=8) and a grid past half the SMs (16/32 at B=1 in 4 groups:
-// 14.7) gain less; past one block an SM nothing.
+// warp), or up to one block an SM where each keeps twice that; at most kMtpMaxClusterGroups in a
+// cluster (the portable size). H200, T = 2 / 4 / 8, µs, one group -> this rule
+// (benchmarks/results-h200-mtp.md): 16/32 heads B=1 bf16 9.2 / 11.2 / 16.6 -> 8.5 / 9.7 / 13.3; 4/8
+// heads B=1 8.8 / 11.1 / 16.6 -> 7.7 / 8.9 / 12.6; 16/64 heads B=1 (two groups of 8 chunks, 128
+// blocks) bf16 9.1 / 11.4 / 16.5 -> 8.3 / 9.8 / 13.3, fp32 11.4 / 15.1 / 22.2 -> 10.0 / 11.9 / 17.0.
+// Groups of 2-warp blocks (4/8 at B=1 in 8 groups: 14.4 at T=8) and a grid of 4-chunk blocks past
+// half the SMs (16/32 at B=1 in 4 groups: 14.7) gain less; past one block an SM nothing.
 constexpr int kMtpGroupSmShare = 2;
 constexpr int kMtpGroupChunks = 4;
 constexpr int kMtpMaxClusterGroups = 8;
@@ -920,13 +922,15 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
   const int head_chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
   // Row groups (decode_mtp_stream_kernel): while a block a head fills at most kMtpGroupSmShare of
-  // the SMs, the head's rows split over twice the blocks, each of at least kMtpGroupChunks chunks, so
-  // that more SMs share the step; with the epilogue its sums go through a cluster (sm_90+ images).
+  // the SMs, the head's rows split over twice the blocks, each of at least kMtpGroupChunks chunks, or
+  // to one block an SM where each keeps 2 * kMtpGroupChunks, so that more SMs share the step; with
+  // the epilogue its sums go through a cluster (sm_90+ images).
   const bool epilogue = p.gate_activation > 0;
   const int max_groups = !epilogue ? head_chunks : p.clusters ? kMtpMaxClusterGroups : 1;
   int groups = 1;
-  while (groups * 2 <= max_groups && head_chunks % (groups * 2) == 0 && head_chunks / (groups * 2) >= kMtpGroupChunks &&
-         p.N * p.HV * groups * 2 * kMtpGroupSmShare <= sms)
+  while (groups * 2 <= max_groups && head_chunks % (groups * 2) == 0 &&
+         ((head_chunks / (groups * 2) >= kMtpGroupChunks && p.N * p.HV * groups * 2 * kMtpGroupSmShare <= sms) ||
+          (head_chunks / (groups * 2) >= 2 * kMtpGroupChunks && p.N * p.HV * groups * 2 <= sms)))
     groups *= 2;
   const int chunks = head_chunks / groups;
   // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
