@@ -554,8 +554,10 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     };
     // With twice the pass's tokens in warps, two warps stage a token: one its q and k (their loads and
     // norms), one the rest (v, gates, checkpoint slot), so the staging the other warps wait for at the
-    // barrier is the longer of the two halves, not their sum.
-    const bool split = 2 * tg <= warps, stage_qk = !split || warp < tg, stage_rest = !split || warp >= tg;
+    // barrier is the longer of the two halves, not their sum. Not at K = 256: there the two paths made
+    // the kernel spill 130-240 bytes a thread (at the 128-register cap of its launch bound, a spill in
+    // the step cost another change 30%: benchmarks/results-h200-mtp.md).
+    const bool split = K <= 128 && 2 * tg <= warps, stage_qk = !split || warp < tg, stage_rest = !split || warp >= tg;
     for (int base = split && warp >= tg ? warp - tg : warp; base < tg; base += kStageAhead * warps) {
       TokenBits tb[kStageAhead];
 #pragma unroll
