@@ -1,0 +1,45 @@
+"""The kernels vLLM's calls run keep their work in registers. They sit at the 128-register cap of
+their launch bound, where one small source change made ptxas spill 256 bytes a thread in the step
+and the kernel 30% slower (benchmarks/results-h200-mtp.md): ptxas's own count, with the shipped
+nvcc flags, for sm_90a (the GPUs the benchmarks measure), catches that before a GPU does."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from installer.compile import native
+from installer.core import shipped
+
+ROOT = shipped.SOURCE_ROOT
+# The streaming multi-token kernel in layout vk at K = 128 for GDN (vLLM's MTP call), and the
+# one-token kernels (vLLM's call at T = 1).
+PINNED = re.compile(r"decode_mtp_stream_kernelILb1ELi128E(13__nv_bfloat16|f)Lb0E|decode_vk_one_(warp_)?kernelILi128E")
+
+
+def ptxas_spill_stores(unit: str, out_dir) -> dict[str, int]:
+    """Kernel (mangled name) -> bytes of spill stores, as `ptxas -v` reports them for one unit."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    flags = native.nvcc_flags(native.parse_archs(["9.0a"]), compress=False, threads=1)
+    run = subprocess.run([nvcc, *flags, "-Xptxas", "-v", "-cubin", "-o", str(out_dir / "unit.cubin"),
+                          str(ROOT / "kernels" / "units" / unit)], capture_output=True, text=True, check=True)
+    spills, name = {}, None
+    for line in run.stderr.splitlines():
+        if m := re.search(r"Function properties for (\S+)", line):
+            name = m.group(1)
+        elif (m := re.search(r"(\d+) bytes spill stores", line)) and name:
+            spills[name], name = int(m.group(1)), None
+    return spills
+
+
+@pytest.mark.parametrize("unit", ["mtp_bfloat16.cu", "mtp_float32.cu"])
+def test_the_kernels_vllms_calls_run_spill_nothing(unit, tmp_path):
+    spills = ptxas_spill_stores(unit, tmp_path)
+    pinned = {name: n for name, n in spills.items() if PINNED.search(name)}
+    # The streaming kernel and the one-token block and warp kernels were all found.
+    assert any("stream" in name for name in pinned) and any("one_kernel" in name for name in pinned)
+    assert any("one_warp_kernel" in name for name in pinned)
+    assert {name: n for name, n in pinned.items() if n} == {}
