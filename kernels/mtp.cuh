@@ -929,11 +929,14 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   // the epilogue its sums go through a cluster (sm_90+ images).
   const bool epilogue = p.gate_activation > 0;
   const int max_groups = !epilogue ? head_chunks : p.clusters ? kMtpMaxClusterGroups : 1;
+  auto groups_fit = [&](int g) {
+    const int block_chunks = head_chunks / g;
+    const int64_t blocks = p.N * p.HV * g;
+    return head_chunks % g == 0 && ((block_chunks >= kMtpGroupChunks && blocks * kMtpGroupSmShare <= sms) ||
+                                    (block_chunks >= 2 * kMtpGroupChunks && blocks <= sms));
+  };
   int groups = 1;
-  while (groups * 2 <= max_groups && head_chunks % (groups * 2) == 0 &&
-         ((head_chunks / (groups * 2) >= kMtpGroupChunks && p.N * p.HV * groups * 2 * kMtpGroupSmShare <= sms) ||
-          (head_chunks / (groups * 2) >= 2 * kMtpGroupChunks && p.N * p.HV * groups * 2 <= sms)))
-    groups *= 2;
+  while (groups * 2 <= max_groups && groups_fit(groups * 2)) groups *= 2;
   const int chunks = head_chunks / groups;
   // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
   // then 8 warps a block, each two chunks; past kMtpWideWarpsPerSm warps an SM, 4, or 2 for

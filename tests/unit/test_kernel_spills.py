@@ -3,14 +3,15 @@ their launch bound, where one small source change made ptxas spill 256 bytes a t
 and the kernel 30% slower (benchmarks/results-h200-mtp.md): ptxas's own count, with the shipped
 nvcc flags, for sm_90a (the GPUs the benchmarks measure), catches that before a GPU does."""
 
+import os
 import re
-import shutil
 import subprocess
 
 import pytest
 
 from installer.compile import native
 from installer.core import shipped
+from installer.detect import toolchain
 
 ROOT = shipped.SOURCE_ROOT
 # The streaming multi-token kernel in layout vk at K = 128 for GDN (vLLM's MTP call), and the
@@ -20,11 +21,11 @@ PINNED = re.compile(r"decode_mtp_stream_kernelILb1ELi128E(13__nv_bfloat16|f)Lb0E
 
 def ptxas_spill_stores(unit: str, out_dir) -> dict[str, int]:
     """Kernel (mangled name) -> bytes of spill stores, as `ptxas -v` reports them for one unit."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
+    toolkit, why_not = toolchain.find_cuda("linux", os.environ)  # the nvcc a local build would use
+    if toolkit is None:
+        pytest.skip(why_not)
     flags = native.nvcc_flags(native.parse_archs(["9.0a"]), compress=False, threads=1)
-    run = subprocess.run([nvcc, *flags, "-Xptxas", "-v", "-cubin", "-o", str(out_dir / "unit.cubin"),
+    run = subprocess.run([toolkit.nvcc, *flags, "-Xptxas", "-v", "-cubin", "-o", str(out_dir / "unit.cubin"),
                           str(ROOT / "kernels" / "units" / unit)], capture_output=True, text=True, check=True)
     spills, name = {}, None
     for line in run.stderr.splitlines():
