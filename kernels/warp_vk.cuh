@@ -123,7 +123,6 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
 #pragma unroll
   for (int t = 0; t < TPW; ++t) vv[t] = widen_bits(v_bits[t], p.dtype);
   float qv[CPL][E], kv[CPL][E], decay[CPL * E];  // decay of channel E * (i * LPR + l) + m at i * E + m
-  float sqq = 0.f, skk = 0.f, sqk = 0.f;
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
     widen_run<E>(q_bits[i], p.dtype, p.qk_aligned, qv[i]);
@@ -137,16 +136,7 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
     for (int i = 0; i < CPL * E; ++i) decay[i] = d;
   }
   const float beta = beta_of(p, beta_bits);
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-#pragma unroll
-    for (int m = 0; m < E; ++m) {
-      sqq += qv[i][m] * qv[i][m];
-      skk += kv[i][m] * kv[i][m];
-      sqk += qv[i][m] * kv[i][m];
-    }
-  }
-  const QkScales sc = warp_qk_scales<1, LPR>(p, sqq, skk, sqk);
+  const QkScales sc = lane_qk_scales<1, LPR>(p, qv, kv);
   // KDA: the per-channel decay folded into k and q. GDN: one decay per head, applied to the row
   // sums instead (the same value, 8 registers and 2 multiplies per channel fewer).
   float kd[CPL][E], qd[CPL][E];

@@ -131,6 +131,22 @@ __device__ __forceinline__ QkScales lane_qk_scales(const GdnDecodeParams& p, con
   return warp_qk_scales<FIRST, END>(p, sqq, skk, sqk);
 }
 
+// The same from channels held as A runs of B (warp_vk: CPL chunks of E), summed in the same order.
+template <int FIRST, int END, int A, int B>
+__device__ __forceinline__ QkScales lane_qk_scales(const GdnDecodeParams& p, const float (&qv)[A][B], const float (&kv)[A][B]) {
+  float sqq = 0.f, skk = 0.f, sqk = 0.f;
+#pragma unroll
+  for (int i = 0; i < A; ++i) {
+#pragma unroll
+    for (int j = 0; j < B; ++j) {
+      sqq += qv[i][j] * qv[i][j];
+      skk += kv[i][j] * kv[i][j];
+      sqk += qv[i][j] * kv[i][j];
+    }
+  }
+  return warp_qk_scales<FIRST, END>(p, sqq, skk, sqk);
+}
+
 // The q/k head value head hv reads: HV is a multiple of H (grouped value heads), so this is
 // hv / (HV / H). 32-bit: it is on the path to the q/k loads, and head counts are small.
 __device__ __forceinline__ uint32_t qk_head(const GdnDecodeParams& p, uint32_t hv) {
