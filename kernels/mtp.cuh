@@ -509,23 +509,24 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   const int depth = stream_ring_depth(chunks, warps, kStreamChunkRaws<VK, K, ST> * 32 * 16), mine_chunks = (chunks - warp + warps - 1) / warps;
   constexpr int kSlotRaws = kStreamChunkRaws<VK, K, ST> * 32;
   Raw* const ring = reinterpret_cast<Raw*>(s_ring_bytes) + warp * depth * kSlotRaws;
-  auto copy_chunk = [&](int i, int slot) {  // the warp's i-th chunk into ring slot `slot`
-    raw_copy<VK, K, ST>(p, src, (c0 + warp + i * warps) * R, lane, ring + slot * kSlotRaws);
+  // The warp's i-th chunk into ring slot `slot`; first: its first chunk (c0 + warp).
+  auto copy_chunk = [&](int first, int i, int slot) {
+    raw_copy<VK, K, ST>(p, src, (first + i * warps) * R, lane, ring + slot * kSlotRaws);
   };
   auto fetch = [&](int i) {
-    if (i < mine_chunks) copy_chunk(i, i % depth);
+    if (i < mine_chunks) copy_chunk(c0 + warp, i, i % depth);
     cp_async_commit();
   };
   // The first `depth` chunks, in kStreamRing groups (the rest empty), so that the wait below counts
   // the same groups whatever the depth.
-  auto ring_start = [&]() {
+  auto ring_start = [&](int first) {
 #pragma unroll
     for (int i = 0; i < kStreamRing; ++i) {
-      if (i < depth && i < mine_chunks) copy_chunk(i, i);
+      if (i < depth && i < mine_chunks) copy_chunk(first, i, i);
       cp_async_commit();
     }
   };
-  ring_start();
+  ring_start(c0 + warp);
 
   for (int64_t g0 = 0; g0 < len; g0 += TS) {
     const int tg = static_cast<int>(len - g0 < TS ? len - g0 : TS);
@@ -705,7 +706,14 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     if (g0 + TS < len) {
       cp_async_wait<0>();
       __threadfence();
-      ring_start();
+      // Before sm_90 the reload's addresses are computed here, not hoisted out of the pass loop:
+      // held across it, they spilled (ptxas -v, sm_80, vk, K = 128, GDN: fp32 152 bytes a thread,
+      // bf16 48). Not from sm_90: sm_90 spills nothing either way, sm_120 fp32 KDA spilled 32 more.
+      int first = c0 + warp;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+      asm volatile("" : "+r"(first));
+#endif
+      ring_start(first);
     }
 
     if (epilogue) {
