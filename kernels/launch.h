@@ -65,7 +65,7 @@ struct GdnDecodeParams {
   // Launch with programmatic dependent launch (sm_90+ images): the kernel's blocks start while the
   // previous kernel of the stream finishes, and wait in the kernel for its writes (griddepcontrol).
   bool pdl;
-  // The image is sm_90+: a launch may group its blocks in thread block clusters (mtp.cuh).
+  // The image is sm_90+: a launch may group its blocks in thread block clusters (mtp_stream.cuh).
   bool clusters;
 
   // Several tokens per request (speculative decoding; kernels/mtp.cuh). q, k, v, the gates, the

@@ -55,7 +55,7 @@ constexpr int warp_min_blocks() {
   return tile_regs >= 128 ? 8 : tile_regs >= 64 ? 12 : 16;
 }
 
-// The gated RMSNorm epilogue of a one-token step in a block of warps (mtp.cuh, decode_vk_one_kernel):
+// The gated RMSNorm epilogue of a one-token step in a block of warps (mtp_one.cuh, decode_vk_one_kernel):
 // the tile's outputs, rounded to the output dtype, go to `o` (the head's V values) instead of out,
 // and `sumsq` gathers the sum of their squares over the warp's rows.
 struct TileEpilogue {

@@ -111,7 +111,7 @@ __device__ __forceinline__ void state_store(T* p, const T& x) {
 }
 
 // Asynchronous 16-byte copies global -> shared (sm_80+): the streaming multi-token kernel keeps its
-// next state chunks in flight in shared memory rather than in registers (mtp.cuh). Each thread reads
+// next state chunks in flight in shared memory rather than in registers (mtp_stream.cuh). Each thread reads
 // back only what it copied, so waiting for its own groups is enough.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));

@@ -120,7 +120,7 @@ def test_one_token_with_the_epilogue_only(case):
 
 # vLLM's T = 1 call (idx [N, 1], num_accepted_tokens) at Qwen3-Next's heads (HV = 32) with N chosen
 # from this GPU's SM count so that the (request, value head) pairs land inside each range of the
-# one-token launch rule (kernels/mtp.cuh, launch_vk_one: <= sms/2, <= sms, <= 4, 16, 64 sms, more):
+# one-token launch rule (kernels/mtp_one.cuh, launch_vk_one: <= sms/2, <= sms, <= 4, 16, 64 sms, more):
 # each range runs another kernel or build, and each must compute the same step.
 PAIRS_PER_SM = (0.4, 0.9, 3, 10, 40, 70)
 ONE_TOKEN_RANGES = ([(state, x, "silu") for state in ("bf16", "fp32") for x in PAIRS_PER_SM]
@@ -135,7 +135,7 @@ def test_one_token_calls_in_every_range_of_the_launch_rule(state, pairs_per_sm, 
     mc.run_and_check(replace(case, N=n), DEVICE)
 
 
-# The streaming kernel's row groups (kernels/mtp.cuh, launch_mtp_stream): while a block a head would
+# The streaming kernel's row groups (kernels/mtp_stream.cuh, launch_mtp_stream): while a block a head would
 # fill at most half the SMs, the head's rows split over several blocks, a cluster of them with the
 # epilogue. One value head and N from this GPU's SM count (sms / 16 requests: four groups of four
 # warps). With idx [N] and an fp32 state, 12 tokens a request take two passes of the staged tokens,

@@ -1,0 +1,206 @@
+// What the multi-token kernels (mtp_one.cuh, mtp_stream.cuh, mtp_resident.cuh) share: how a warp
+// holds a tile of the state, the tile's loads and stores, the epilogue's gate, and request_span,
+// which every one of them starts with (the request's rows, its starting slot, the skip and zero
+// rules of the contract).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch.h"
+#include "common/dtype.cuh"
+#include "common/host.cuh"
+#include "common/ptx.cuh"
+#include "common/step.cuh"
+
+namespace cudelta {
+namespace {
+
+// How a warp holds its BW value rows x K key channels. A lane holds NV value rows x NK key
+// channels, one reduction over K adds across the LPR lanes that hold the same rows.
+//   vk ([V, K] rows contiguous along K): a row's K split over LPR lanes in 16-byte chunks (CPL
+//      chunks a lane), RPP rows per load instruction.
+//   kv ([K, V] rows contiguous along V): lane l holds key rows l, l + 32, ..., each as the warp's
+//      BW columns (CPR chunks), so a load instruction covers 32 rows' 32-byte (or wider) segments.
+template <bool VK, int K, typename ST, int BW>
+struct MtpShape {
+  static constexpr int E = Chunk<ST>::E;
+  static constexpr int KC = K / E;
+  static constexpr int LPR = VK ? (KC < 32 ? KC : 32) : 32;
+  static constexpr int CPL = VK ? KC / LPR : 1;
+  static constexpr int RPP = VK ? 32 / LPR : 1;
+  static constexpr int NV = VK ? BW / RPP : BW;
+  static constexpr int NK = VK ? CPL * E : K / 32;
+  static constexpr int CPR = VK ? CPL : BW / E;
+  static_assert(NV >= 1 && NK >= 1 && (VK || BW % E == 0), "multi-token tile shape");
+};
+
+template <typename Sh, bool VK>
+__device__ __forceinline__ int key_of(int lane, int b) {
+  if constexpr (VK) return Sh::E * ((b / Sh::E) * Sh::LPR + lane % Sh::LPR) + b % Sh::E;
+  else return lane + 32 * b;
+}
+template <typename Sh, bool VK>
+__device__ __forceinline__ int row_of(int lane, int a) {
+  if constexpr (VK) return lane / Sh::LPR + Sh::RPP * a;
+  else return a;
+}
+
+template <int LPR>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = 1; o < LPR; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+// An index's bits (int32 in lo, or int64), loaded apart from its widening: a load under a condition
+// is then not waited for where it is made (request_span).
+struct IndexBits {
+  uint32_t lo, hi;
+};
+__device__ __forceinline__ IndexBits load_index_bits(const void* p, bool is64, int64_t i) {
+  IndexBits b;
+  if (is64) {
+    const uint2 x = static_cast<const uint2*>(p)[i];
+    b.lo = x.x;
+    b.hi = x.y;
+  } else {
+    b.lo = static_cast<const uint32_t*>(p)[i];
+    b.hi = 0u;
+  }
+  return b;
+}
+__device__ __forceinline__ int64_t widen_index(IndexBits b, bool is64) {
+  return is64 ? static_cast<int64_t>((uint64_t(b.hi) << 32) | b.lo) : static_cast<int64_t>(static_cast<int32_t>(b.lo));
+}
+
+// The warp's tile of one slot: load into fp32 registers, store narrowed to the state dtype. S: the
+// head's block in the slot; v0: the warp's first value row.
+template <bool VK, int K, typename ST, int BW>
+__device__ __forceinline__ void tile_load(const GdnDecodeParams& p, const ST* S, int v0, int lane,
+                                          float (&h)[MtpShape<VK, K, ST, BW>::NV][MtpShape<VK, K, ST, BW>::NK]) {
+  using Sh = MtpShape<VK, K, ST, BW>;
+  using C = Chunk<ST>;
+  using Raw = typename C::Raw;
+  constexpr int E = Sh::E;
+  if constexpr (VK) {
+#pragma unroll
+    for (int a = 0; a < Sh::NV; ++a) {
+      const Raw* row = reinterpret_cast<const Raw*>(S + int64_t(v0 + row_of<Sh, VK>(lane, a)) * K);
+#pragma unroll
+      for (int i = 0; i < Sh::CPL; ++i) C::widen(row[i * Sh::LPR + lane % Sh::LPR], &h[a][i * E]);
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < Sh::NK; ++b) {
+      const Raw* row = reinterpret_cast<const Raw*>(S + int64_t(key_of<Sh, VK>(lane, b)) * p.V + v0);
+#pragma unroll
+      for (int c = 0; c < Sh::CPR; ++c) {
+        float x[E];
+        C::widen(row[c], x);
+#pragma unroll
+        for (int m = 0; m < E; ++m) h[c * E + m][b] = x[m];
+      }
+    }
+  }
+}
+
+template <bool VK, int K, typename ST, int BW>
+__device__ __forceinline__ void tile_store(const GdnDecodeParams& p, ST* S, int v0, int lane,
+                                           const float (&h)[MtpShape<VK, K, ST, BW>::NV][MtpShape<VK, K, ST, BW>::NK]) {
+  using Sh = MtpShape<VK, K, ST, BW>;
+  using C = Chunk<ST>;
+  using Raw = typename C::Raw;
+  constexpr int E = Sh::E;
+  if constexpr (VK) {
+#pragma unroll
+    for (int a = 0; a < Sh::NV; ++a) {
+      Raw* row = reinterpret_cast<Raw*>(S + int64_t(v0 + row_of<Sh, VK>(lane, a)) * K);
+#pragma unroll
+      for (int i = 0; i < Sh::CPL; ++i) row[i * Sh::LPR + lane % Sh::LPR] = C::narrow(&h[a][i * E]);
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < Sh::NK; ++b) {
+      Raw* row = reinterpret_cast<Raw*>(S + int64_t(key_of<Sh, VK>(lane, b)) * p.V + v0);
+#pragma unroll
+      for (int c = 0; c < Sh::CPR; ++c) {
+        float x[E];
+#pragma unroll
+        for (int m = 0; m < E; ++m) x[m] = h[c * E + m][b];
+        row[c] = C::narrow(x);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float gate_act(float z, int activation) {
+  const float s = __frcp_rn(1.f + __expf(-z));
+  return activation == 2 ? s : z * s;
+}
+
+// Block n's request in both multi-token kernels: its token rows [bos, bos + len) and the slot its
+// state starts from. Returns whether the block computes; where it does not, `zero_rows(first, end)`
+// (the kernel's own division of rows among its threads) has zeroed what the call's contract says:
+// the rows outside every request (block N, the extra block of a cu_seqlens launch) or the rows of
+// a request without a valid starting slot.
+template <typename ZeroRows>
+__device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n, ZeroRows& zero_rows, int64_t& bos,
+                                             int64_t& len, int64_t& start) {
+  if (n == p.N) {
+    zero_rows(0, load_index(p.cu_seqlens, p.cu_is_int64, 0));
+    zero_rows(load_index(p.cu_seqlens, p.cu_is_int64, p.N), p.L);
+    return false;
+  }
+  // Every index the request needs is loaded before any is used, so that the state's load waits on
+  // one round trip: lane c loads column c of the request's idx row, lanes 0-2 also
+  // num_accepted_tokens[n], cu_seqlens[n] and [n + 1], each as raw bits (IndexBits), and shuffles
+  // hand them round. Loaded alike by every lane, the compiler kept each index in a uniform register
+  // and waited for it as it was loaded; widened where it was loaded, under a condition, the wait
+  // came there: a round trip an index (sm_90a SASS).
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t cols = p.idx_columns;
+  const bool varlen = p.cu_seqlens != nullptr;
+  const int64_t column_at = cols > 0 ? n * cols + (lane < cols ? lane : cols - 1) : n;
+  const IndexBits column = load_index_bits(p.idx, p.idx_is_int64, column_at);
+  const bool lane_acc = lane == 0 && p.accepted != nullptr, lane_cu = lane >= 1 && lane <= 2 && varlen;
+  const bool mine_is64 = lane_acc ? p.accepted_is_int64 : lane_cu ? p.cu_is_int64 : p.idx_is_int64;
+  const IndexBits mine = load_index_bits(lane_acc ? p.accepted : lane_cu ? p.cu_seqlens : p.idx, mine_is64,
+                                         lane_acc ? n : lane_cu ? n + lane - 1 : column_at);
+  const int64_t mine_index = widen_index(mine, mine_is64);
+  const int64_t acc = p.accepted != nullptr ? __shfl_sync(0xffffffffu, mine_index, 0) : 1;
+  bos = varlen ? __shfl_sync(0xffffffffu, mine_index, 1) : n * p.tokens;
+  len = varlen ? __shfl_sync(0xffffffffu, mine_index, 2) - bos : p.tokens;
+  // cu_seqlens is not read on the host (no synchronisation): a request whose rows fall outside the
+  // call's, or outnumber idx's columns, is skipped, never read or written out of bounds.
+  if (len <= 0 || bos < 0 || bos + len > p.L || (cols > 0 && len > cols)) return false;
+  const int64_t col = cols > 0 ? acc - 1 : 0;  // idx [N]: its one column
+  start = __shfl_sync(0xffffffffu, widen_index(column, p.idx_is_int64), static_cast<int>(col & 31));
+  if (col < 0 || (cols > 0 && col >= cols)) start = -1;
+  else if (col >= 32) start = load_index(p.idx, p.idx_is_int64, n * cols + col);
+  if (!slot_valid(p, start)) {
+    zero_rows(bos, bos + len);
+    return false;
+  }
+  return true;
+}
+
+// A block's (request, value head) in the grids of request_blocks(p) x HV blocks along x, heads
+// fastest: the blocks of request N (a cu_seqlens launch's extra blocks, which only zero rows) come
+// last in the order blocks are scheduled, after every request's (interleaved, they cost a grid of one
+// block an SM a second wave: H200, bf16 T=1 B=4 7.2 -> 6.5 µs).
+__device__ __forceinline__ int64_t block_request(const GdnDecodeParams& p) { return blockIdx.x / static_cast<uint32_t>(p.HV); }
+__device__ __forceinline__ int64_t block_head(const GdnDecodeParams& p) { return blockIdx.x % static_cast<uint32_t>(p.HV); }
+
+// The grid's blocks along the requests: one a request, and with cu_seqlens one more, which zeroes
+// the rows after cu_seqlens[N] (request_span).
+inline unsigned request_blocks(const GdnDecodeParams& p) {
+  return static_cast<unsigned>(p.N + (p.cu_seqlens != nullptr ? 1 : 0));
+}
+
+}  // namespace
+}  // namespace cudelta

@@ -1,0 +1,170 @@
+// The one-token kernels of the multi-token contract (layout vk, K = 128: vLLM's call at T = 1) and
+// the separate gated RMSNorm epilogue, with the rule that picks among their builds.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "mtp_common.cuh"
+#include "warp_vk.cuh"
+
+namespace cudelta {
+namespace {
+
+// The one-token kernel's largest V (its outputs wait in shared memory for the epilogue).
+constexpr int kMaxOneRows = 128;
+
+// The one-token kernels of layout vk: at most one token a request (idx [N] with one token a
+// request, or idx [N, 1]: one column bounds a request's tokens to one, request_span skips longer
+// ones), the epilogue or not. Both run the warp kernel's step (warp_vk.cuh, warp_step: the state kept
+// as loaded, never widened into registers of fp32 between tokens) on the slots the multi-token
+// contract names (request_span); they differ in where the epilogue's mean over V is taken.
+//
+// decode_vk_one_kernel, small grids: a block of V / BW warps a (request, value head). The warps keep
+// their outputs in shared memory and meet once, after their state stores are issued; the barrier
+// waits on the block's slowest warp, not on memory traffic. One launch: the latency regime's choice.
+template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM>
+__global__ void __launch_bounds__(512) decode_vk_one_kernel(const GdnDecodeParams p) {
+  __shared__ float s_o[kMaxOneRows];
+  __shared__ float s_sumsq[16];
+  pdl_enter();
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t n = block_request(p), hv = block_head(p);
+  const int V = static_cast<int>(p.V);
+  auto zero_rows = [&](int64_t first, int64_t end) {
+    for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
+      store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
+  };
+  int64_t bos, len, start;
+  if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  const int64_t dst = p.idx_columns > 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns) : start;
+  // The epilogue's z and w of this thread's output (blockDim >= V: BW <= 32 rows a warp).
+  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
+  const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
+  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
+  TileEpilogue epi{s_o, 0.f};
+  warp_step<K, ST, BW, PER_CHANNEL, 1, STREAM, true>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start, dst,
+                                                     &epi);
+  if (threadIdx.x % 32 == 0) s_sumsq[warp] = epi.sumsq;
+  __syncthreads();
+  if (!mine) return;
+  float o = s_o[threadIdx.x];
+  if (epilogue) {
+    float total = 0.f;
+    for (int i = 0; i < warps; ++i) total += s_sumsq[i];
+    o *= rsqrtf(total / static_cast<float>(V) + p.norm_eps) * widen_bits(w_bits, p.norm_weight_dtype) *
+         gate_act(widen_bits(z_bits, p.z_dtype), p.gate_activation);
+  }
+  store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
+}
+
+// decode_vk_one_warp_kernel, larger grids: the warp kernel's grid of one-warp blocks (no barrier, so
+// an SM's warps never wait on each other), its outputs stored rounded; the epilogue follows as
+// gated_rms_norm_kernel, which reads them back (a few MB beside the state's hundreds).
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM>
+__global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_one_warp_kernel(const GdnDecodeParams p) {
+  pdl_enter();
+  const int64_t n = blockIdx.z, hv = blockIdx.y;
+  const int64_t row0 = int64_t(blockIdx.x) * (BW * TPW);
+  auto zero_rows = [&](int64_t first, int64_t end) {
+    for (int64_t tok = first; tok < end; ++tok) {
+      for (int r = threadIdx.x; r < BW * TPW; r += 32) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + row0 + r, 0.f);
+    }
+  };
+  int64_t bos, len, start;
+  if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  const int64_t dst = p.idx_columns > 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns) : start;
+  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, false, true>(p, blockIdx.x, hv, qk_head(p, static_cast<uint32_t>(hv)),
+                                                              bos, start, dst);
+}
+
+// The epilogue on outputs already stored (rounded to out's dtype): one warp a (token row, value head),
+// every row of the call (rows left zero stay zero). V <= kMaxOneRows: 4 values a lane.
+__global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodeParams p) {
+  pdl_enter();
+  const int64_t item = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (item >= p.L * p.HV) return;
+  const int lane = threadIdx.x % 32, V = static_cast<int>(p.V);
+  const int64_t tok = item / p.HV, hv = item % p.HV;
+  const int64_t o_at = tok * p.out_stride_n + hv * p.out_stride_h, z_at = tok * p.z_stride_n + hv * p.z_stride_h;
+  constexpr int PER = kMaxOneRows / 32;
+  uint32_t o_bits[PER], z_bits[PER], w_bits[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int v = lane + 32 * j;
+    o_bits[j] = v < V ? load_bits(p.out, p.dtype, o_at + v) : 0u;
+    z_bits[j] = v < V ? load_bits(p.z, p.z_dtype, z_at + v) : 0u;
+    w_bits[j] = v < V ? load_bits(p.norm_weight, p.norm_weight_dtype, v) : 0u;
+  }
+  float o[PER], ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    o[j] = widen_bits(o_bits[j], p.dtype);
+    ss += o[j] * o[j];
+  }
+  const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(V) + p.norm_eps);
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int v = lane + 32 * j;
+    if (v < V) {
+      store_f(p.out, p.dtype, o_at + v, o[j] * rstd * widen_bits(w_bits[j], p.norm_weight_dtype) *
+                                            gate_act(widen_bits(z_bits[j], p.z_dtype), p.gate_activation));
+    }
+  }
+}
+
+template <int K, typename ST, int BW, bool STREAM>
+int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM> : decode_vk_one_kernel<K, ST, BW, false, STREAM>;
+  const unsigned requests = request_blocks(p);
+  return launch_decode(kernel, dim3(requests * static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
+                       p, stream);
+}
+
+template <int K, typename ST, int BW, int TPW, bool STREAM>
+int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM>
+                                : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM>;
+  const unsigned requests = request_blocks(p);
+  int err = launch_decode(kernel, dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV), requests),
+                          dim3(32), p, stream);
+  if (err != 0 || p.gate_activation <= 0) return err;
+  return launch_decode(gated_rms_norm_kernel, dim3(static_cast<unsigned>((p.L * p.HV + 3) / 4)), dim3(128), p, stream);
+}
+
+// Whether a call takes a one-token kernel: at most one token a request, layout vk, K = 128 (the head
+// dim the warp kernel's extra builds are for), V whole tiles of 16 rows, at most kMaxOneRows.
+inline bool one_token_call(const GdnDecodeParams& p) {
+  const bool one = p.idx_columns == 1 || (p.idx_columns == 0 && p.cu_seqlens == nullptr && p.tokens == 1);
+  return one && p.state_vk && p.K == 128 && p.V % 16 == 0 && p.V <= kMaxOneRows;
+}
+
+// Which one-token kernel and build. bf16 state takes the block kernel from half a (request, head)
+// pair an SM to eight (fewer leave SMs idle: a block a pair); with the epilogue, fp32 state takes it
+// too, 16-warp blocks up to a pair an SM and 8-warp blocks up to sixteen (its second launch costs
+// more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
+// 64 41.4 / 76.0 -> 40.1 / 75.0 µs; bf16 B=32, 7.8 pairs an SM, 26.6 -> 24.2 µs, but at B=64 47.0
+// against 45.6 µs for the split). Elsewhere the warp kernel's builds and the separate epilogue (H100,
+// benchmarks/results-h100-mtp.md).
+template <typename ST>
+int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
+  const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
+  const bool epilogue = p.gate_activation > 0;
+  if constexpr (std::is_same_v<ST, float>) {
+    if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
+    if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
+    if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
+    return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
+  } else {
+    if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
+    if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);
+    return launch_vk_one_split<128, ST, 16, 1, false>(p, stream);
+  }
+}
+
+}  // namespace
+}  // namespace cudelta

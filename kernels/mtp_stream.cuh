@@ -1,0 +1,481 @@
+// The streaming multi-token kernel and its launch: what vLLM's multi-token calls take.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mtp_common.cuh"
+
+namespace cudelta {
+namespace {
+
+// The streaming kernel: a request of at most kStreamTokens tokens a pass (any number with idx [N] and
+// an fp32 state, whose one slot carries it from pass to pass), its tokens' q, k, gates staged once in shared
+// memory, then each warp streams row chunks of the head's state through its registers: a chunk of
+// R rows is loaded (the next one already in flight), taken through every token, stored at each
+// checkpoint and dropped. Rows are independent in the recurrence (they share only the tokens'
+// scalars and the epilogue's mean over V), so a head needs registers for one chunk a warp, not the
+// whole head: many more heads per SM are in flight than in decode_mtp_kernel, which keeps the whole
+// head in registers and is left for requests with more than kStreamTokens checkpoint columns. For the
+// same reason a head may be split into row groups, a block each (gridDim.z), in small grids.
+constexpr int kStreamTokens = 8;
+constexpr int kStreamRows = 8;
+
+template <bool VK, int K, typename ST>
+using StreamShape = MtpShape<VK, K, ST, kStreamRows>;
+
+template <bool VK, int K, typename ST>
+struct RawTile {
+  using Sh = StreamShape<VK, K, ST>;
+  typename Chunk<ST>::Raw r[VK ? Sh::NV : Sh::NK][Sh::CPR];
+};
+
+// 16-byte units of a chunk a lane holds, and the ring: kStreamRing chunks a warp, or as many as the
+// warp streams where fewer (the launch sizes the block's dynamic shared memory by it).
+template <bool VK, int K, typename ST>
+constexpr int kStreamChunkRaws = (VK ? StreamShape<VK, K, ST>::NV : StreamShape<VK, K, ST>::NK) * StreamShape<VK, K, ST>::CPR;
+constexpr int kStreamRing = 3;
+// The ring's bytes a block at most, beside the kernel's static buffers (K = 256 fp32: 16 warps of
+// 8 KB chunks take one slot each).
+constexpr int kStreamRingBytes = 128 * 1024;
+__host__ __device__ __forceinline__ int stream_ring_depth(int chunks, int warps, int chunk_bytes) {
+  const int per_warp = (chunks + warps - 1) / warps;
+  int depth = per_warp < kStreamRing ? per_warp : kStreamRing;
+  while (depth > 1 && warps * depth * chunk_bytes > kStreamRingBytes) --depth;
+  return depth;
+}
+// The staged values and outputs of a pass hold up to this many value rows (V): the launch takes the
+// resident kernel for longer heads.
+template <int K>
+constexpr int kStreamMaxV = K <= 128 ? 128 : 256;
+
+// A chunk's raw state in shared memory, lane-interleaved (element j of lane l at j * 32 + l, so a
+// warp's 16-byte accesses cover 512 contiguous bytes: no bank conflicts), copied asynchronously by
+// the lane that reads it back.
+template <bool VK, int K, typename ST>
+__device__ __forceinline__ void raw_copy(const GdnDecodeParams& p, const ST* S, int v0, int lane,
+                                         typename Chunk<ST>::Raw* slot) {
+  using Sh = StreamShape<VK, K, ST>;
+  using Raw = typename Chunk<ST>::Raw;
+  if constexpr (VK) {
+#pragma unroll
+    for (int a = 0; a < Sh::NV; ++a) {
+      const Raw* row = reinterpret_cast<const Raw*>(S + int64_t(v0 + row_of<Sh, VK>(lane, a)) * K);
+#pragma unroll
+      for (int i = 0; i < Sh::CPL; ++i) cp_async16(slot + (a * Sh::CPL + i) * 32 + lane, row + i * Sh::LPR + lane % Sh::LPR);
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < Sh::NK; ++b) {
+      const Raw* row = reinterpret_cast<const Raw*>(S + int64_t(key_of<Sh, VK>(lane, b)) * p.V + v0);
+#pragma unroll
+      for (int c = 0; c < Sh::CPR; ++c) cp_async16(slot + (b * Sh::CPR + c) * 32 + lane, row + c);
+    }
+  }
+}
+
+template <bool VK, int K, typename ST>
+__device__ __forceinline__ void raw_read(const typename Chunk<ST>::Raw* slot, int lane, RawTile<VK, K, ST>& t) {
+  using Sh = StreamShape<VK, K, ST>;
+  constexpr int A = VK ? Sh::NV : Sh::NK;
+#pragma unroll
+  for (int a = 0; a < A; ++a) {
+#pragma unroll
+    for (int i = 0; i < Sh::CPR; ++i) t.r[a][i] = slot[(a * Sh::CPR + i) * 32 + lane];
+  }
+}
+
+template <bool VK, int K, typename ST>
+__device__ __forceinline__ void raw_widen(const RawTile<VK, K, ST>& t,
+                                          float (&h)[StreamShape<VK, K, ST>::NV][StreamShape<VK, K, ST>::NK]) {
+  using Sh = StreamShape<VK, K, ST>;
+  using C = Chunk<ST>;
+  constexpr int E = Sh::E;
+  if constexpr (VK) {
+#pragma unroll
+    for (int a = 0; a < Sh::NV; ++a) {
+#pragma unroll
+      for (int i = 0; i < Sh::CPL; ++i) C::widen(t.r[a][i], &h[a][i * E]);
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < Sh::NK; ++b) {
+#pragma unroll
+      for (int c = 0; c < Sh::CPR; ++c) {
+        float x[E];
+        C::widen(t.r[b][c], x);
+#pragma unroll
+        for (int m = 0; m < E; ++m) h[c * E + m][b] = x[m];
+      }
+    }
+  }
+}
+
+template <bool VK, int K, typename ST, bool PER_CHANNEL>
+__global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
+  using Sh = StreamShape<VK, K, ST>;
+  constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV, R = kStreamRows, TS = kStreamTokens;
+  static_assert(NV <= LPR && (NV & (NV - 1)) == 0, "one row a lane after the butterfly");
+  // The staged tokens: k and q scaled (l2-normalised, q times the attention scale), the per-channel
+  // decay (KDA), and per token beta, k.q and the head's decay (GDN); the epilogue's outputs and sums.
+  __shared__ float s_k[TS][K], s_q[TS][K], s_d[PER_CHANNEL ? TS : 1][PER_CHANNEL ? K : 1];
+  __shared__ float s_beta[TS], s_qk[TS], s_decay[TS];
+  // The epilogue's sums of squares a (token, row chunk), added in a fixed order: outputs do not
+  // depend on which warp finished first.
+  __shared__ float s_ss[TS][kStreamMaxV<K> / kStreamRows];
+  __shared__ int64_t s_dst[TS];
+  __shared__ float s_o[TS][kStreamMaxV<K>], s_v[TS][kStreamMaxV<K>];
+  pdl_enter();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int group = lane - lane % LPR, mine = (lane % LPR) / F;
+  const bool writer = lane % F == 0;
+  const int64_t n = block_request(p), hv = block_head(p), h = qk_head(p, static_cast<uint32_t>(hv));
+  const int V = static_cast<int>(p.V);
+  // The head's rows in gridDim.z groups, a block each (small grids: more SMs share a head). The
+  // epilogue's mean over V then needs every group's sums: the launch makes the blocks of a head a
+  // cluster (launch_mtp_stream) and they exchange them through distributed shared memory.
+  const int groups = static_cast<int>(gridDim.z), chunks = V / R / groups, c0 = static_cast<int>(blockIdx.z) * chunks;
+  const int row0 = c0 * R, rows = chunks * R;
+  const bool clustered = groups > 1 && cluster_size() > 1;
+  const bool epilogue = p.gate_activation > 0 && (groups == 1 || clustered);
+
+  auto zero_rows = [&](int64_t first, int64_t end) {
+    for (int64_t i = threadIdx.x; i < (end - first) * rows; i += blockDim.x)
+      store_f(p.out, p.dtype, (first + i / rows) * p.out_stride_n + hv * p.out_stride_h + row0 + i % rows, 0.f);
+  };
+  int64_t bos, len, start;
+  // A cluster's blocks share the request, so they all return here or none does.
+  if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  // Distributed shared memory is written only once every block of the cluster runs: this arrival is
+  // waited for after the staging.
+  if (clustered) cluster_arrive_relaxed();
+  const int64_t block = p.K * p.V;
+  ST* const pool = static_cast<ST*>(p.state);
+  ST* const src = pool + start * p.state_stride_p + hv * block;
+  const uint32_t a_log_bits = load_a_log_bits(p, hv);
+  // The warp's chunks c = warp, warp + warps, ... go through its ring of `depth` slots in shared
+  // memory, kStreamRing of them in flight while one is computed (a group of async copies a
+  // chunk, committed even where empty so that every wait counts the same). The first ones are
+  // issued before the tokens are staged, so that their round trip overlaps the staging's.
+  using Raw = typename Chunk<ST>::Raw;
+  extern __shared__ __align__(16) unsigned char s_ring_bytes[];
+  const int depth = stream_ring_depth(chunks, warps, kStreamChunkRaws<VK, K, ST> * 32 * 16), mine_chunks = (chunks - warp + warps - 1) / warps;
+  constexpr int kSlotRaws = kStreamChunkRaws<VK, K, ST> * 32;
+  Raw* const ring = reinterpret_cast<Raw*>(s_ring_bytes) + warp * depth * kSlotRaws;
+  // The warp's i-th chunk into ring slot `slot`; first: its first chunk (c0 + warp).
+  auto copy_chunk = [&](int first, int i, int slot) {
+    raw_copy<VK, K, ST>(p, src, (first + i * warps) * R, lane, ring + slot * kSlotRaws);
+  };
+  auto fetch = [&](int i) {
+    if (i < mine_chunks) copy_chunk(c0 + warp, i, i % depth);
+    cp_async_commit();
+  };
+  // The first `depth` chunks, in kStreamRing groups (the rest empty), so that the wait below counts
+  // the same groups whatever the depth.
+  auto ring_start = [&](int first) {
+#pragma unroll
+    for (int i = 0; i < kStreamRing; ++i) {
+      if (i < depth && i < mine_chunks) copy_chunk(first, i, i);
+      cp_async_commit();
+    }
+  };
+  ring_start(c0 + warp);
+
+  for (int64_t g0 = 0; g0 < len; g0 += TS) {
+    const int tg = static_cast<int>(len - g0 < TS ? len - g0 : TS);
+    // The epilogue's z and w of this thread's outputs, in flight while the step runs.
+    constexpr int ZPT = 4;  // outputs a thread finishes from registers (more: loaded at the end)
+    uint32_t z_bits[ZPT], w_bits[ZPT];
+    if (epilogue) {
+#pragma unroll
+      for (int j = 0; j < ZPT; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        const bool mine_i = i < tg * rows;
+        const int t = mine_i ? i / rows : 0, v = row0 + (mine_i ? i % rows : 0);
+        z_bits[j] = mine_i ? load_bits(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v) : 0u;
+        w_bits[j] = mine_i ? load_bits(p.norm_weight, p.norm_weight_dtype, v) : 0u;
+      }
+    }
+    // Stage the pass's tokens, a warp a token: up to kStageAhead of a warp's tokens have their loads
+    // in flight together (a block of few warps stages several tokens a warp; one round trip each
+    // cost small blocks their gain). v: only the block's rows.
+    constexpr int KL = K / 32, VL = kStreamMaxV<K> / 32;
+    constexpr int kStageAhead = K > 128 || PER_CHANNEL ? 1 : 2;
+    struct TokenBits {
+      int64_t dst;
+      uint32_t q[KL], k[KL], v[VL], beta;
+      DecayBits d[PER_CHANNEL ? KL : 1];
+    };
+    // With twice the pass's tokens in warps, two warps stage a token: one its q and k (their loads and
+    // norms), one the rest (v, gates, checkpoint slot), so the staging the other warps wait for at the
+    // barrier is the longer of the two halves, not their sum. Not at K = 256: there the two paths made
+    // the kernel spill 130-240 bytes a thread (at the 128-register cap of its launch bound, a spill in
+    // the step cost another change 30%: benchmarks/results-h200-mtp.md).
+    const bool split = K <= 128 && 2 * tg <= warps, stage_qk = !split || warp < tg, stage_rest = !split || warp >= tg;
+    for (int base = split && warp >= tg ? warp - tg : warp; base < tg; base += kStageAhead * warps) {
+      TokenBits tb[kStageAhead];
+#pragma unroll
+      for (int j = 0; j < kStageAhead; ++j) {
+        const int t = base + j * warps;
+        if (t >= tg) break;
+        const int64_t tok = bos + g0 + t;
+        TokenBits& b = tb[j];
+        if (stage_qk) {
+          const int64_t qo = tok * p.q_stride_n + h * p.q_stride_h, ko = tok * p.k_stride_n + h * p.k_stride_h;
+#pragma unroll
+          for (int c = 0; c < KL; ++c) {
+            b.q[c] = load_bits(p.q, p.dtype, qo + lane + 32 * c);
+            b.k[c] = load_bits(p.k, p.dtype, ko + lane + 32 * c);
+          }
+        }
+        if (!stage_rest) continue;
+        b.dst = p.idx_columns > 0 && lane == 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns + g0 + t) : -1;
+        if constexpr (PER_CHANNEL) {
+#pragma unroll
+          for (int c = 0; c < KL; ++c) b.d[c] = load_decay_bits(p, tok, hv, lane + 32 * c);
+        } else {
+          b.d[0] = load_decay_bits(p, tok, hv, -1);
+        }
+        b.beta = load_beta_bits(p, tok, hv);
+#pragma unroll
+        for (int c = 0; c < VL; ++c) {
+          const int r = lane + 32 * c;
+          b.v[c] = r < rows ? load_bits(p.v, p.dtype, tok * p.v_stride_n + hv * p.v_stride_h + row0 + r) : 0u;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kStageAhead; ++j) {
+        const int t = base + j * warps;
+        if (t >= tg) break;
+        const TokenBits& b = tb[j];
+        if (stage_qk) {
+          float qv[KL], kv[KL];
+          widen_all<KL>(b.q, p.dtype, qv);
+          widen_all<KL>(b.k, p.dtype, kv);
+          const QkScales sc = lane_qk_scales<1, 32>(p, qv, kv);
+#pragma unroll
+          for (int c = 0; c < KL; ++c) {
+            s_k[t][lane + 32 * c] = kv[c] * sc.k;
+            s_q[t][lane + 32 * c] = qv[c] * sc.q;
+          }
+          if (lane == 0) s_qk[t] = sc.qk;
+        }
+        if (!stage_rest) continue;
+#pragma unroll
+        for (int c = 0; c < VL; ++c) {
+          const int r = lane + 32 * c;
+          if (r < rows) s_v[t][row0 + r] = widen_bits(b.v[c], p.dtype);
+        }
+        if constexpr (PER_CHANNEL) {
+          float d[KL];
+          decays<KL>(p, b.d, a_log_bits, d);
+#pragma unroll
+          for (int c = 0; c < KL; ++c) s_d[t][lane + 32 * c] = d[c];
+        }
+        if (lane == 0) {
+          s_beta[t] = beta_of(p, b.beta);
+          s_decay[t] = PER_CHANNEL ? 1.f : decay_of(p, b.d[0], a_log_bits);
+          s_dst[t] = slot_valid(p, b.dst) ? b.dst : -1;  // -1: no checkpoint (idx [N], or an invalid slot)
+        }
+      }
+    }
+    __syncthreads();
+    if (clustered && g0 == 0) cluster_wait();
+
+    // Stream the block's row chunks through the warps, the next chunk's load in flight.
+    for (int i = 0; i < mine_chunks; ++i) {
+      const int v0 = (c0 + warp + i * warps) * R;
+      float hs[NV][NK];
+      {
+        // Chunk i is in the group issued depth groups before the newest.
+        if (depth >= 3) cp_async_wait<2>();
+        else if (depth == 2) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        RawTile<VK, K, ST> raw;
+        raw_read<VK, K, ST>(ring + (i % depth) * kSlotRaws, lane, raw);
+        raw_widen<VK, K, ST>(raw, hs);
+      }
+      // The slot is free once its values are in registers (the widening waited for them; in-order
+      // issue puts the copy after it): the chunk `depth` ahead goes in.
+      fetch(i + depth);
+      const int my_row = v0 + row_of<Sh, VK>(lane, mine);
+      // Not unrolled: the body is the kernel's bulk, and eight copies of it cost the release 2.5x its
+      // compile time and size for no measured speed (benchmarks/results-h100-mtp.md).
+#pragma unroll 1
+      for (int t = 0; t < tg; ++t) {
+        // KDA: the per-channel decay folded into k and q; GDN: one decay a head, applied to the row
+        // sums instead (two arrays of NK registers fewer).
+        float kk[NK], kq[NK], dec[PER_CHANNEL ? NK : 1];
+#pragma unroll
+        for (int b = 0; b < NK; ++b) {
+          const int ch = key_of<Sh, VK>(lane, b);
+          kk[b] = s_k[t][ch];
+          kq[b] = s_q[t][ch];
+          if constexpr (PER_CHANNEL) dec[b] = s_d[PER_CHANNEL ? t : 0][PER_CHANNEL ? ch : 0];
+        }
+        if constexpr (!PER_CHANNEL) dec[0] = s_decay[t];
+        float pk[NV], pq[NV];
+#pragma unroll
+        for (int a = 0; a < NV; ++a) {
+          pk[a] = 0.f;
+          pq[a] = 0.f;
+#pragma unroll
+          for (int b = 0; b < NK; ++b) {
+            const float x = PER_CHANNEL ? hs[a][b] * dec[PER_CHANNEL ? b : 0] : hs[a][b];
+            pk[a] += x * kk[b];
+            pq[a] += x * kq[b];
+          }
+        }
+        butterfly<NV, LPR / 2>(pk, pq, lane);
+        const float row_decay = PER_CHANNEL ? 1.f : dec[0];
+        const float u_mine = s_beta[t] * (s_v[t][my_row] - pk[0] * row_decay);
+        const float o = rounded(pq[0] * row_decay + u_mine * s_qk[t], p.dtype);
+        if (epilogue) {
+          // The epilogue's sum of squares, a warp's rows at a time (the writers hold each row once).
+          const float ss = warp_sum(writer ? o * o : 0.f);
+          if (writer) s_o[t][my_row] = o;
+          if (!clustered) {
+            if (lane == 0) s_ss[t][v0 / R] = ss;
+          } else if (lane < groups) {
+            store_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss);  // into every block of the head
+          }
+        } else if (writer) {
+          store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + my_row, o);
+        }
+#pragma unroll
+        for (int a = 0; a < NV; ++a) {
+          const float u = __shfl_sync(0xffffffffu, u_mine, group + a * F);
+#pragma unroll
+          for (int b = 0; b < NK; ++b) hs[a][b] = hs[a][b] * dec[PER_CHANNEL ? b : 0] + kk[b] * u;
+        }
+        // The checkpoint slots were read while the tokens were staged: no global load here.
+        const int64_t dst = s_dst[t];
+        if (dst >= 0) tile_store<VK, K, ST, R>(p, pool + dst * p.state_stride_p + hv * block, v0, lane, hs);
+      }
+      // idx [N]: the one slot carries the state to the next pass and holds it after the last.
+      if (p.idx_columns == 0) tile_store<VK, K, ST, R>(p, src, v0, lane, hs);
+    }
+    // The next pass's first chunks: stored above by this same warp (idx [N]), read after the fence.
+    if (g0 + TS < len) {
+      cp_async_wait<0>();
+      __threadfence();
+      // Before sm_90 the reload's addresses are computed here, not hoisted out of the pass loop:
+      // held across it, they spilled (ptxas -v, sm_80, vk, K = 128, GDN: fp32 152 bytes a thread,
+      // bf16 48). Not from sm_90: sm_90 spills nothing either way, sm_120 fp32 KDA spilled 32 more.
+      int first = c0 + warp;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+      asm volatile("" : "+r"(first));
+#endif
+      ring_start(first);
+    }
+
+    if (epilogue) {
+      if (clustered) {
+        cluster_arrive();
+        cluster_wait();
+      } else {
+        __syncthreads();
+      }
+      // Token t's 1 / rms from the head's chunk sums in chunk order, whichever blocks made them (a
+      // warp's threads share t: broadcast reads).
+      auto rstd = [&](int t) {
+        float ss = 0.f;
+        for (int c = 0; c < V / R; ++c) ss += s_ss[t][c];
+        return rsqrtf(ss / static_cast<float>(V) + p.norm_eps);
+      };
+#pragma unroll
+      for (int j = 0; j < ZPT; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i >= tg * rows) break;
+        const int t = i / rows, v = row0 + i % rows;
+        const float z = widen_bits(z_bits[j], p.z_dtype), w = widen_bits(w_bits[j], p.norm_weight_dtype);
+        store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
+                s_o[t][v] * rstd(t) * w * gate_act(z, p.gate_activation));
+      }
+      for (int i = threadIdx.x + ZPT * blockDim.x; i < tg * rows; i += blockDim.x) {  // long passes on few warps
+        const int t = i / rows, v = row0 + i % rows;
+        const float z = load_f(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v);
+        store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
+                s_o[t][v] * rstd(t) * load_f(p.norm_weight, p.norm_weight_dtype, v) * gate_act(z, p.gate_activation));
+      }
+    }
+    // The staged tokens, outputs and sums are reused by the next pass (in a cluster, sums arrive from
+    // the other blocks).
+    if (g0 + TS < len) {
+      if (clustered) {
+        cluster_arrive();
+        cluster_wait();
+      } else {
+        __syncthreads();
+      }
+    }
+  }
+}
+
+// The streaming kernel's launch (launch_mtp_stream): more warps a block while the grid's warps
+// number at most kMtpWideWarpsPerSm an SM, else kMtpNarrowWarps a block.
+constexpr int64_t kMtpWideWarpsPerSm = 64;
+constexpr int kMtpNarrowWarps = 4;
+// Requests of at most two tokens past kMtpShortWarpsPerSm grid warps an SM take blocks of
+// kMtpShortWarps: twice the blocks an SM at the same registers, so a block's staging and epilogue
+// barriers stall fewer warps (H200, T=2, B=128 and 512: 0.91x -> 0.95-1.00x vLLM's op; at B=32
+// the grid is one wave and 2-warp blocks run 0.73x, at T >= 4 they lose 1-3%).
+constexpr int64_t kMtpShortWarpsPerSm = 256;
+constexpr int kMtpShortWarps = 2;
+// Row groups of the streaming kernel (launch_mtp_stream): blocks a head at most 1 / kMtpGroupSmShare
+// of the SMs, each at least kMtpGroupChunks row chunks (blocks of fewer warps stage several tokens a
+// warp), or up to one block an SM where each keeps twice that; at most kMtpMaxClusterGroups in a
+// cluster (the portable size). H200, T = 2 / 4 / 8, µs, one group -> this rule
+// (benchmarks/results-h200-mtp.md): 16/32 heads B=1 bf16 9.2 / 11.2 / 16.6 -> 8.5 / 9.7 / 13.3; 4/8
+// heads B=1 8.8 / 11.1 / 16.6 -> 7.7 / 8.9 / 12.6; 16/64 heads B=1 (two groups of 8 chunks, 128
+// blocks) bf16 9.1 / 11.4 / 16.5 -> 8.3 / 9.8 / 13.3, fp32 11.4 / 15.1 / 22.2 -> 10.0 / 11.9 / 17.0.
+// Groups of 2-warp blocks (4/8 at B=1 in 8 groups: 14.4 at T=8) and a grid of 4-chunk blocks past
+// half the SMs (16/32 at B=1 in 4 groups: 14.7) gain less; past one block an SM nothing.
+constexpr int kMtpGroupSmShare = 2;
+constexpr int kMtpGroupChunks = 4;
+constexpr int kMtpMaxClusterGroups = 8;
+
+template <bool VK, int K, typename ST>
+int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
+  const unsigned requests = request_blocks(p);
+  const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
+  const int head_chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
+  // Row groups (decode_mtp_stream_kernel): while a block a head fills at most kMtpGroupSmShare of
+  // the SMs, the head's rows split over twice the blocks, each of at least kMtpGroupChunks chunks, or
+  // to one block an SM where each keeps 2 * kMtpGroupChunks, so that more SMs share the step; with
+  // the epilogue its sums go through a cluster (sm_90+ images).
+  const bool epilogue = p.gate_activation > 0;
+  const int max_groups = !epilogue ? head_chunks : p.clusters ? kMtpMaxClusterGroups : 1;
+  auto groups_fit = [&](int g) {
+    const int block_chunks = head_chunks / g;
+    const int64_t blocks = p.N * p.HV * g;
+    return head_chunks % g == 0 && ((block_chunks >= kMtpGroupChunks && blocks * kMtpGroupSmShare <= sms) ||
+                                    (block_chunks >= 2 * kMtpGroupChunks && blocks <= sms));
+  };
+  int groups = 1;
+  while (groups * 2 <= max_groups && groups_fit(groups * 2)) groups *= 2;
+  const int chunks = head_chunks / groups;
+  // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
+  // then 8 warps a block, each two chunks; past kMtpWideWarpsPerSm warps an SM, 4, or 2 for
+  // requests of at most two tokens past kMtpShortWarpsPerSm (benchmarks/results-h100-mtp.md,
+  // results-h200-mtp.md).
+  const int64_t grid_warps = p.N * p.HV * head_chunks;
+  const int wide = chunks < 16 ? chunks : 16;
+  const bool short_requests = p.L <= 2 * p.N;
+  const int warps = grid_warps <= 16 * sms                  ? wide
+                    : grid_warps <= kMtpWideWarpsPerSm * sms ? (wide < 8 ? wide : 8)
+                    : short_requests && grid_warps > kMtpShortWarpsPerSm * sms && chunks >= kMtpShortWarps
+                        ? kMtpShortWarps
+                        : (wide < kMtpNarrowWarps ? wide : kMtpNarrowWarps);
+  const size_t ring = size_t(warps) * stream_ring_depth(chunks, warps, chunk_bytes) * chunk_bytes;
+  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
+  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
+  return launch_decode(kernel, dim3(requests * static_cast<unsigned>(p.HV), 1, static_cast<unsigned>(groups)),
+                       dim3(static_cast<unsigned>(warps) * 32), p, stream, ring,
+                       epilogue && groups > 1 ? static_cast<unsigned>(groups) : 1u);
+}
+
+}  // namespace
+}  // namespace cudelta
