@@ -118,9 +118,7 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
 template <int K, typename ST, int BW, bool STREAM>
 int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM> : decode_vk_one_kernel<K, ST, BW, false, STREAM>;
-  const unsigned requests = request_blocks(p);
-  return launch_decode(kernel, dim3(requests * static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
-                       p, stream);
+  return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / BW) * 32), p, stream);
 }
 
 template <int K, typename ST, int BW, int TPW, bool STREAM>

@@ -147,9 +147,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
 template <bool VK, int K, typename ST, int BW>
 int launch_mtp_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_kernel<VK, K, ST, BW, true> : decode_mtp_kernel<VK, K, ST, BW, false>;
-  const unsigned requests = request_blocks(p);
-  return launch_decode(kernel, dim3(requests * static_cast<unsigned>(p.HV)), dim3(static_cast<unsigned>(p.V / BW) * 32),
-                       p, stream);
+  return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / BW) * 32), p, stream);
 }
 
 }  // namespace

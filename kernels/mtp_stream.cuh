@@ -439,7 +439,6 @@ constexpr int kMtpMaxClusterGroups = 8;
 template <bool VK, int K, typename ST>
 int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
-  const unsigned requests = request_blocks(p);
   const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
   const int head_chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
   // Row groups (decode_mtp_stream_kernel): while a block a head fills at most kMtpGroupSmShare of
@@ -472,8 +471,8 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   const size_t ring = size_t(warps) * stream_ring_depth(chunks, warps, chunk_bytes) * chunk_bytes;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
-  return launch_decode(kernel, dim3(requests * static_cast<unsigned>(p.HV), 1, static_cast<unsigned>(groups)),
-                       dim3(static_cast<unsigned>(warps) * 32), p, stream, ring,
+  return launch_decode(kernel, request_head_grid(p, static_cast<unsigned>(groups)), dim3(static_cast<unsigned>(warps) * 32),
+                       p, stream, ring,
                        epilogue && groups > 1 ? static_cast<unsigned>(groups) : 1u);
 }
 
