@@ -20,7 +20,10 @@ constexpr int kMaxOneRows = 128;
 // request, or idx [N, 1]: one column bounds a request's tokens to one, request_span skips longer
 // ones), the epilogue or not. Both run the warp kernel's step (warp_vk.cuh, warp_step: the state kept
 // as loaded, never widened into registers of fp32 between tokens) on the slots the multi-token
-// contract names (request_span); they differ in where the epilogue's mean over V is taken.
+// contract names (request_span); they differ in where the epilogue's mean over V is taken. The
+// state goes back to the slot it came from: with one column, request_span accepts only
+// num_accepted_tokens 1, so the start slot is idx[n, 0], the one the token's state is stored at
+// (no second load of it, no second validity check).
 //
 // decode_vk_one_kernel, small grids: a block of V / BW warps a (request, value head). The warps keep
 // their outputs in shared memory and meet once, after their state stores are issued; the barrier
@@ -39,14 +42,13 @@ __global__ void __launch_bounds__(512) decode_vk_one_kernel(const GdnDecodeParam
   };
   int64_t bos, len, start;
   if (!request_span(p, n, zero_rows, bos, len, start)) return;
-  const int64_t dst = p.idx_columns > 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns) : start;
   // The epilogue's z and w of this thread's output (blockDim >= V: BW <= 32 rows a warp).
   const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
   const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
   const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
   TileEpilogue epi{s_o, 0.f};
-  warp_step<K, ST, BW, PER_CHANNEL, 1, STREAM, true>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start, dst,
-                                                     &epi);
+  warp_step<K, ST, BW, PER_CHANNEL, 1, STREAM, true, false>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start,
+                                                            start, &epi);
   if (threadIdx.x % 32 == 0) s_sumsq[warp] = epi.sumsq;
   __syncthreads();
   if (!mine) return;
@@ -75,9 +77,7 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decod
   };
   int64_t bos, len, start;
   if (!request_span(p, n, zero_rows, bos, len, start)) return;
-  const int64_t dst = p.idx_columns > 0 ? load_index(p.idx, p.idx_is_int64, n * p.idx_columns) : start;
-  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, false, true>(p, blockIdx.x, hv, qk_head(p, static_cast<uint32_t>(hv)),
-                                                              bos, start, dst);
+  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, blockIdx.x, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start, start);
 }
 
 // The epilogue on outputs already stored (rounded to out's dtype): one warp a (token row, value head),
