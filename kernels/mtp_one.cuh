@@ -65,19 +65,56 @@ __global__ void __launch_bounds__(512) decode_vk_one_kernel(const GdnDecodeParam
 // decode_vk_one_warp_kernel, larger grids: the warp kernel's grid of one-warp blocks (no barrier, so
 // an SM's warps never wait on each other), its outputs stored rounded; the epilogue follows as
 // gated_rms_norm_kernel, which reads them back (a few MB beside the state's hundreds).
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM>
+// CLUSTER_EPI: the epilogue in the same launch instead: a head's V / (BW * TPW) blocks (at most 8,
+// the portable size) are a thread block cluster, and each block sends the sum of its rows' squares
+// to every block of it through distributed shared memory, so that each block takes the mean over V
+// itself (sm_90+ images). It saves the second launch, which dominates small grids (H100, T=1, B=1,
+// 16/32 heads: bf16 6.3 -> 5.4 µs, fp32 7.2 -> 6.3); in large ones the clusters of one-warp blocks
+// cost far more than it (bf16 B=512: 388 -> 580 µs; B=4 already 7.0 -> 9.9 against the block
+// kernel), so launch_vk_one takes it only below half a (request, head) pair an SM.
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool CLUSTER_EPI = false>
 __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_one_warp_kernel(const GdnDecodeParams p) {
+  constexpr int ROWS = BW * TPW;
+  __shared__ float s_o[CLUSTER_EPI ? kMaxOneRows : 1];
+  __shared__ float s_ss[CLUSTER_EPI ? kMaxOneRows / ROWS : 1];
   pdl_enter();
   const int64_t n = blockIdx.z, hv = blockIdx.y;
-  const int64_t row0 = int64_t(blockIdx.x) * (BW * TPW);
+  const int64_t row0 = int64_t(blockIdx.x) * ROWS;
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t tok = first; tok < end; ++tok) {
-      for (int r = threadIdx.x; r < BW * TPW; r += 32) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + row0 + r, 0.f);
+      for (int r = threadIdx.x; r < ROWS; r += 32) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + row0 + r, 0.f);
     }
   };
   int64_t bos, len, start;
+  // A cluster's blocks share the request, so they all return here or none does.
   if (!request_span(p, n, zero_rows, bos, len, start)) return;
-  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, blockIdx.x, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start, start);
+  const int64_t h = qk_head(p, static_cast<uint32_t>(hv));
+  if constexpr (!CLUSTER_EPI) {
+    warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, blockIdx.x, hv, h, bos, start, start);
+  } else {
+    // Distributed shared memory is written only once every block of the cluster runs: this arrival
+    // is waited for after the step.
+    cluster_arrive_relaxed();
+    const int lane = static_cast<int>(threadIdx.x);
+    const bool mine = lane < ROWS;
+    const uint32_t z_bits = mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + row0 + lane) : 0u;
+    const uint32_t w_bits = mine ? load_bits(p.norm_weight, p.norm_weight_dtype, row0 + lane) : 0u;
+    TileEpilogue epi{s_o, 0.f};
+    warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false>(p, blockIdx.x, hv, h, bos, start, start, &epi);
+    cluster_wait();
+    // Block g's sum goes to slot g of every block; each adds them in slot order (outputs do not
+    // depend on which block finished first).
+    const unsigned blocks = gridDim.x;
+    if (static_cast<unsigned>(lane) < blocks) store_cluster(&s_ss[blockIdx.x], static_cast<unsigned>(lane), epi.sumsq);
+    cluster_arrive();
+    cluster_wait();
+    if (!mine) return;
+    float total = 0.f;
+    for (unsigned i = 0; i < blocks; ++i) total += s_ss[i];
+    const float o = s_o[row0 + lane] * rsqrtf(total / static_cast<float>(p.V) + p.norm_eps) *
+                    widen_bits(w_bits, p.norm_weight_dtype) * gate_act(widen_bits(z_bits, p.z_dtype), p.gate_activation);
+    store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + row0 + lane, o);
+  }
 }
 
 // The epilogue on outputs already stored (rounded to out's dtype): one warp a (token row, value head),
@@ -132,6 +169,23 @@ int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
   return launch_decode(gated_rms_norm_kernel, dim3(static_cast<unsigned>((p.L * p.HV + 3) / 4)), dim3(128), p, stream);
 }
 
+// The one-warp grid with the epilogue in clusters of a head's blocks (CLUSTER_EPI): sm_90+ images,
+// at most 8 blocks a head (V / (BW * TPW)).
+template <int K, typename ST, int BW, int TPW, bool STREAM>
+int launch_vk_one_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
+  auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM, true>
+                                : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM, true>;
+  const unsigned groups = static_cast<unsigned>(p.V / (BW * TPW));
+  return launch_decode(kernel, dim3(groups, static_cast<unsigned>(p.HV), request_blocks(p)), dim3(32), p, stream, 0,
+                       dim3(groups, 1, 1));
+}
+
+// Whether the one-warp grid of BW * TPW rows a block can take the epilogue in clusters.
+template <int BW, int TPW>
+bool one_cluster_fits(const GdnDecodeParams& p) {
+  return p.gate_activation > 0 && p.clusters && p.V / (BW * TPW) <= 8;
+}
+
 // Whether a call takes a one-token kernel: at most one token a request, layout vk, K = 128 (the head
 // dim the warp kernel's extra builds are for), V whole tiles of 16 rows, at most kMaxOneRows.
 inline bool one_token_call(const GdnDecodeParams& p) {
@@ -145,18 +199,21 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
 // 64 41.4 / 76.0 -> 40.1 / 75.0 µs; bf16 B=32, 7.8 pairs an SM, 26.6 -> 24.2 µs, but at B=64 47.0
 // against 45.6 µs for the split). Elsewhere the warp kernel's builds and the separate epilogue (H100,
-// benchmarks/results-h100-mtp.md).
+// benchmarks/results-h100-mtp.md); below half a pair an SM with the epilogue, on sm_90+ images, the
+// one-warp grid with the epilogue in clusters instead (decode_vk_one_warp_kernel, CLUSTER_EPI).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
   const bool epilogue = p.gate_activation > 0;
   if constexpr (std::is_same_v<ST, float>) {
+    if (pairs < sms / 2 && one_cluster_fits<8, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 2, true>(p, stream);
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
     if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
   } else {
+    if (pairs <= sms / 2 && one_cluster_fits<16, 1>(p)) return launch_vk_one_cluster<128, ST, 16, 1, false>(p, stream);
     if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
     if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);

@@ -473,7 +473,7 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
   return launch_decode(kernel, request_head_grid(p, static_cast<unsigned>(groups)), dim3(static_cast<unsigned>(warps) * 32),
                        p, stream, ring,
-                       epilogue && groups > 1 ? static_cast<unsigned>(groups) : 1u);
+                       dim3(1, 1, epilogue ? static_cast<unsigned>(groups) : 1u));
 }
 
 }  // namespace

@@ -47,10 +47,11 @@ inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int
 
 // Launches `kernel(p)` with the programmatic-dependent-launch attribute where the params ask for
 // it; every decode launch goes through here. Returns the cudaError_t as an int.
-// cluster_z > 1: the grid's blocks in thread block clusters of that many along z (sm_90+ images).
+// cluster: the grid's blocks in thread block clusters of these dimensions where it holds more than
+// one block (sm_90+ images).
 template <typename Kernel>
 int launch_decode(Kernel kernel, dim3 grid, dim3 block, const GdnDecodeParams& p, cudaStream_t stream,
-                  size_t dynamic_smem = 0, unsigned cluster_z = 1) {
+                  size_t dynamic_smem = 0, dim3 cluster = dim3(1, 1, 1)) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -59,11 +60,11 @@ int launch_decode(Kernel kernel, dim3 grid, dim3 block, const GdnDecodeParams& p
   cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
   int n = 0;
-  if (cluster_z > 1) {
+  if (cluster.x * cluster.y * cluster.z > 1) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = 1;
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = cluster_z;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n].val.clusterDim.z = cluster.z;
     ++n;
   }
   cfg.numAttrs = add_pdl(p, attr, n);
