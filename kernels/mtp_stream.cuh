@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mtp_common.cuh"
 
@@ -414,9 +415,18 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
 }
 
 // The streaming kernel's launch (launch_mtp_stream): more warps a block while the grid's warps
-// number at most kMtpWideWarpsPerSm an SM, else kMtpNarrowWarps a block.
+// number at most kMtpWideWarpsPerSm an SM (fp32 state: kMtpWideWarpsPerSmF32), else kMtpNarrowWarps
+// a block.
 constexpr int64_t kMtpWideWarpsPerSm = 64;
 constexpr int kMtpNarrowWarps = 4;
+// fp32 state (4 KB chunks at K = 128) keeps 8-warp blocks up to twice the grid warps, and requests of
+// at most two tokens take at most kMtpShortWideWarps a block even where the grid is small (a block's
+// staging barrier stalls fewer warps). H100, 16/32 heads, 2 processes twice, µs: B=32 T=4 / T=8
+// 131 / 231 -> 126 / 219 (1.00x / 1.02x -> 1.04x / 1.07x vLLM's op), B=4 T=2 14.3 -> 13.7 (0.96x ->
+// 1.00x); B=4 T=8 lost 2% with 8 warps (32.4 -> 33.2), so longer requests keep 16; bf16 lost with
+// either (B=32 T=2 41.4 -> 47.6, B=4 T=2 10.2 -> 10.7: benchmarks/results-h100-mtp.md).
+constexpr int64_t kMtpWideWarpsPerSmF32 = 128;
+constexpr int kMtpShortWideWarps = 8;
 // Requests of at most two tokens past kMtpShortWarpsPerSm grid warps an SM take blocks of
 // kMtpShortWarps: twice the blocks an SM at the same registers, so a block's staging and epilogue
 // barriers stall fewer warps (H200, T=2, B=128 and 512: 0.91x -> 0.95-1.00x vLLM's op; at B=32
@@ -456,15 +466,18 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   int groups = 1;
   while (groups * 2 <= max_groups && groups_fit(groups * 2)) groups *= 2;
   const int chunks = head_chunks / groups;
-  // A warp a chunk (at most 16: the launch bound) while the grid fills the GPU only a few times;
-  // then 8 warps a block, each two chunks; past kMtpWideWarpsPerSm warps an SM, 4, or 2 for
-  // requests of at most two tokens past kMtpShortWarpsPerSm (benchmarks/results-h100-mtp.md,
-  // results-h200-mtp.md).
+  // A warp a chunk (at most 16: the launch bound; fp32 requests of at most two tokens, 8) while the
+  // grid fills the GPU only a few times; then 8 warps a block, each two chunks; past
+  // kMtpWideWarpsPerSm warps an SM (fp32: kMtpWideWarpsPerSmF32), 4, or 2 for requests of at most
+  // two tokens past kMtpShortWarpsPerSm (benchmarks/results-h100-mtp.md, results-h200-mtp.md).
   const int64_t grid_warps = p.N * p.HV * head_chunks;
-  const int wide = chunks < 16 ? chunks : 16;
+  constexpr bool f32 = std::is_same_v<ST, float>;
   const bool short_requests = p.L <= 2 * p.N;
-  const int warps = grid_warps <= 16 * sms                  ? wide
-                    : grid_warps <= kMtpWideWarpsPerSm * sms ? (wide < 8 ? wide : 8)
+  const int widest = f32 && short_requests ? kMtpShortWideWarps : 16;
+  const int wide = chunks < widest ? chunks : widest;
+  const int64_t wide_per_sm = f32 ? kMtpWideWarpsPerSmF32 : kMtpWideWarpsPerSm;
+  const int warps = grid_warps <= 16 * sms           ? wide
+                    : grid_warps <= wide_per_sm * sms ? (wide < 8 ? wide : 8)
                     : short_requests && grid_warps > kMtpShortWarpsPerSm * sms && chunks >= kMtpShortWarps
                         ? kMtpShortWarps
                         : (wide < kMtpNarrowWarps ? wide : kMtpNarrowWarps);
