@@ -1,0 +1,118 @@
+"""Where the one-token (T=1) step's extra time goes, cudelta alone: the issue's target compares vLLM's
+T=1 call with the epilogue against cudelta's T=1 decode without it, and the two differ in more than
+the epilogue. Five calls of the same tokens on the same DRAM-resident pool (mtp_bench's Cell, slot
+sets cycling over >= 256 MiB, a one-element kernel after each call, its time subtracted), so that
+each step adds one thing:
+
+    alone          gdn_decode, idx [N] in place (mtp_bench's "T=1 decode alone")
+    alone+epi      the same with the gated RMSNorm epilogue
+    contract       idx [N, 1], cu_seqlens, num_accepted_tokens (vLLM's call), no epilogue
+    contract+epi   vLLM's call: the contract and the epilogue
+    compat         the same through cudelta.vllm_compat (vLLM's signature)
+
+and the kernels of the compat call with their GPU times (torch.profiler, eager; a kernel launched
+early by programmatic dependent launch counts its wait for the one before it).
+
+    # on the GPU machine, cudelta built there:
+    python -P benchmarks/t1_epilogue_cost.py [--states bfloat16 float32] [--batches 1 4 8 32 128 512]
+
+One process, µs per call; for the issue's tables use mtp_bench.py (medians of 3 processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mtp_bench as bench  # noqa: E402
+
+
+def calls(cell) -> dict:
+    import cudelta
+    from cudelta.vllm_compat import fused_gdn_decode_post_conv_mtp
+
+    kw = dict(a=cell.a, b=cell.b, A_log=cell.A_log, dt_bias=cell.dt_bias, scale=bench.SCALE, use_qk_l2norm=True,
+              layout="vk", invalid_slot="nonpositive", out=cell.out)
+    epi = dict(output_gate=cell.z, norm_weight=cell.norm_weight, norm_eps=bench.NORM_EPS, gate_activation="silu")
+    contract = dict(cu_seqlens=cell.cu_seqlens, num_accepted_tokens=cell.acc)
+    q, k, v = cell.q, cell.k, cell.v
+
+    def decode(**extra):
+        def call(state, idx):
+            return cudelta.gdn_decode(q, k, v, None, None, state, idx if "cu_seqlens" in extra else idx[:, 0], **kw,
+                                      **extra)
+        return call
+
+    return {"alone": decode(), "alone+epi": decode(**epi), "contract": decode(**contract),
+            "contract+epi": decode(**contract, **epi), "compat": cell.mtp_call(fused_gdn_decode_post_conv_mtp)}
+
+
+def kernel_times(call, pool, sets, between) -> dict:
+    """Median GPU time of each kernel of `call` over 20 eager calls."""
+    import torch
+
+    for i in range(3):
+        call(pool, sets[i % len(sets)])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(20):
+            call(pool, sets[i % len(sets)])
+            between.add_(1)
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "elementwise" not in e.name:
+            name = e.name.replace("void ", "").replace("cudelta::", "").replace("(anonymous namespace)::", "")
+            times.setdefault(name.split("(")[0][:90], []).append(e.device_time)
+    return {name: round(sorted(t)[len(t) // 2], 1) for name, t in times.items()}
+
+
+def run(state: str, B: int) -> dict:
+    import torch
+
+    cell = bench.Cell(state, B, 1, seed=B)
+    _, pool = cell.pool(1 + cell.sets * B, random_bytes=False)
+    sets = cell.slot_sets(cell.sets)
+    n_calls = max(bench.MIN_CALLS, cell.sets)
+    between = torch.zeros(1, device=bench.DEVICE)
+    gap, _ = bench.time_call(lambda i: between.add_(1), cell.sets, n_calls)
+    us = {}
+    for name, call in calls(cell).items():
+        def step(i, call=call):
+            call(pool, sets[i])
+            between.add_(1)
+
+        us[name] = round(bench.time_call(step, cell.sets, n_calls)[0] - gap, 1)
+    row = dict(state=state, B=B, us=us, kernels=kernel_times(calls(cell)["compat"], pool, sets, between))
+    del pool, sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--states", nargs="+", default=bench.STATES)
+    ap.add_argument("--batches", nargs="+", type=int, default=bench.FULL["batches"])
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    rows = []
+    names = ["alone", "alone+epi", "contract", "contract+epi", "compat"]
+    print("| state | B | " + " | ".join(names) + " | kernels of compat (µs) |")
+    print("|---" * (len(names) + 3) + "|")
+    for state in args.states:
+        for B in args.batches:
+            row = run(state, B)
+            rows.append(row)
+            kernels = "; ".join(f"{k} {t}" for k, t in row["kernels"].items())
+            print(f"| {state} | {B} | " + " | ".join(str(row["us"][n]) for n in names) + f" | {kernels} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
