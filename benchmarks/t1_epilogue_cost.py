@@ -10,8 +10,10 @@ each step adds one thing:
     contract+epi   vLLM's call: the contract and the epilogue
     compat         the same through cudelta.vllm_compat (vLLM's signature)
 
-and the kernels of the compat call with their GPU times (torch.profiler, eager; a kernel launched
-early by programmatic dependent launch counts its wait for the one before it).
+It prints each call's time and the kernels of the compat call with their GPU times (torch.profiler,
+eager; a kernel launched early by programmatic dependent launch counts its wait for the one before
+it). Before timing, each call is checked against cudelta's PyTorch reference (mtp_bench's check:
+outputs, every slot, every other byte of the pool); a call that disagrees stops the run.
 
     # on the GPU machine, cudelta built there:
     python -P benchmarks/t1_epilogue_cost.py [--states bfloat16 float32] [--batches 1 4 8 32 128 512]
@@ -51,6 +53,26 @@ def calls(cell) -> dict:
             "contract+epi": decode(**contract, **epi), "compat": cell.mtp_call(fused_gdn_decode_post_conv_mtp)}
 
 
+EPILOGUE = {"alone": False, "alone+epi": True, "contract": False, "contract+epi": True, "compat": True}
+
+
+def check_all(cell) -> list[dict]:
+    """Each call on its own copy of a check pool (the cell's slots, the null block, spare slots)
+    against cudelta's PyTorch reference with or without the epilogue: mtp_bench's check (outputs,
+    every slot's state, every other byte of the pool unchanged)."""
+    base_pages, base_state = cell.pool(1 + cell.B + bench.SPARE_SLOTS, random_bytes=True)
+    idx = cell.slot_sets(1)[0]
+    refs, rows = {}, []
+    for name, call in calls(cell).items():
+        epilogue = EPILOGUE[name]
+        if epilogue not in refs:
+            ref_pages = base_pages.clone()
+            ref_state = ref_pages[:, bench.CONV_BYTES:bench.CONV_BYTES + cell.block].view(cell.dtype)
+            refs[epilogue] = (cell.reference(ref_state.view(base_state.shape), idx, epilogue), ref_pages)
+        rows.append(bench.check(cell, name, call, idx, base_pages, base_state, *refs[epilogue], idx.reshape(-1).long()))
+    return rows
+
+
 def kernel_times(call, pool, sets, between) -> dict:
     """Median GPU time of each kernel of `call` over 20 eager calls."""
     import torch
@@ -75,6 +97,10 @@ def run(state: str, B: int) -> dict:
     import torch
 
     cell = bench.Cell(state, B, 1, seed=B)
+    wrong = [c for c in check_all(cell) if not c["ok"]]
+    if wrong:  # a call that does not compute the step is not timed
+        raise SystemExit(f"t1_epilogue_cost: {state} B={B}: " + "; ".join(f"{c['impl']}: {c['detail']}" for c in wrong))
+    bench.empty_cache()
     _, pool = cell.pool(1 + cell.sets * B, random_bytes=False)
     sets = cell.slot_sets(cell.sets)
     n_calls = max(bench.MIN_CALLS, cell.sets)

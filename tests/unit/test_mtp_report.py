@@ -227,3 +227,17 @@ def test_an_implementation_that_raises_is_a_skip_with_its_reason_and_is_not_time
     checked, checks, skips = checked_step(wrong=refuse)
     assert checked == {} and checks == [] and skips == ["NotImplementedError: cudelta: not yet supported by the CUDA "
                                                         "kernels"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("small_heads_on_cpu")
+def test_the_t1_breakdown_s_five_calls_are_checked_each_against_its_own_reference(monkeypatch):
+    import t1_epilogue_cost as t1
+
+    rows = t1.check_all(mtp_bench.Cell("bfloat16", 2, 1, seed=5))
+    assert [c["impl"] for c in rows] == ["alone", "alone+epi", "contract", "contract+epi", "compat"]
+    assert all(c["ok"] for c in rows), rows
+    # the bare step's outputs are not the epilogue's: a call checked against the wrong reference fails
+    monkeypatch.setitem(t1.EPILOGUE, "contract", True)
+    rows = t1.check_all(mtp_bench.Cell("bfloat16", 2, 1, seed=5))
+    assert [c["impl"] for c in rows if not c["ok"]] == ["contract"]
