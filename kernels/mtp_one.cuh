@@ -69,9 +69,10 @@ __global__ void __launch_bounds__(512) decode_vk_one_kernel(const GdnDecodeParam
 // the portable size) are a thread block cluster, and each block sends the sum of its rows' squares
 // to every block of it through distributed shared memory, so that each block takes the mean over V
 // itself (sm_90+ images). It saves the second launch, which dominates small grids (H100, T=1, B=1,
-// 16/32 heads: bf16 6.3 -> 5.4 µs, fp32 7.2 -> 6.3); in large ones the clusters of one-warp blocks
-// cost far more than it (bf16 B=512: 388 -> 580 µs; B=4 already 7.0 -> 9.9 against the block
-// kernel), so launch_vk_one takes it only below half a (request, head) pair an SM.
+// 16/32 heads: bf16 6.3 -> 5.4 µs with the evict-first state (6.0 without), fp32 7.2 -> 6.4); in
+// large ones the clusters of one-warp blocks cost far more than it (bf16 B=512: 388 -> 580 µs; B=4
+// already 6.7 -> 9.9 against the block kernel), so launch_vk_one takes it only below half a
+// (request, head) pair an SM.
 template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool CLUSTER_EPI = false>
 __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_one_warp_kernel(const GdnDecodeParams p) {
   constexpr int ROWS = BW * TPW;
@@ -213,7 +214,7 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
   } else {
-    if (pairs <= sms / 2 && one_cluster_fits<16, 1>(p)) return launch_vk_one_cluster<128, ST, 16, 1, false>(p, stream);
+    if (pairs <= sms / 2 && one_cluster_fits<16, 1>(p)) return launch_vk_one_cluster<128, ST, 16, 1, true>(p, stream);
     if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
     if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);
