@@ -106,14 +106,14 @@ def run(state: str, B: int) -> dict:
     n_calls = max(bench.MIN_CALLS, cell.sets)
     between = torch.zeros(1, device=bench.DEVICE)
     gap, _ = bench.time_call(lambda i: between.add_(1), cell.sets, n_calls)
-    us = {}
-    for name, call in calls(cell).items():
+    us, timed = {}, calls(cell)
+    for name, call in timed.items():
         def step(i, call=call):
             call(pool, sets[i])
             between.add_(1)
 
         us[name] = round(bench.time_call(step, cell.sets, n_calls)[0] - gap, 1)
-    row = dict(state=state, B=B, us=us, kernels=kernel_times(calls(cell)["compat"], pool, sets, between))
+    row = dict(state=state, B=B, us=us, kernels=kernel_times(timed["compat"], pool, sets, between))
     del pool, sets
     torch.cuda.empty_cache()
     return row
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     rows = []
-    names = ["alone", "alone+epi", "contract", "contract+epi", "compat"]
+    names = list(EPILOGUE)
     print("| state | B | " + " | ".join(names) + " | kernels of compat (µs) |")
     print("|---" * (len(names) + 3) + "|")
     for state in args.states:

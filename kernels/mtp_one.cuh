@@ -159,13 +159,18 @@ int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / BW) * 32), p, stream);
 }
 
+// The grid decode_vk_one_warp_kernel reads: a head's V / (BW * TPW) blocks along x, heads along y,
+// requests along z.
+template <int BW, int TPW>
+dim3 one_warp_grid(const GdnDecodeParams& p) {
+  return dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV), request_blocks(p));
+}
+
 template <int K, typename ST, int BW, int TPW, bool STREAM>
 int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM>
                                 : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM>;
-  const unsigned requests = request_blocks(p);
-  int err = launch_decode(kernel, dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV), requests),
-                          dim3(32), p, stream);
+  int err = launch_decode(kernel, one_warp_grid<BW, TPW>(p), dim3(32), p, stream);
   if (err != 0 || p.gate_activation <= 0) return err;
   return launch_decode(gated_rms_norm_kernel, dim3(static_cast<unsigned>((p.L * p.HV + 3) / 4)), dim3(128), p, stream);
 }
@@ -176,9 +181,8 @@ template <int K, typename ST, int BW, int TPW, bool STREAM>
 int launch_vk_one_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM, true>
                                 : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM, true>;
-  const unsigned groups = static_cast<unsigned>(p.V / (BW * TPW));
-  return launch_decode(kernel, dim3(groups, static_cast<unsigned>(p.HV), request_blocks(p)), dim3(32), p, stream, 0,
-                       dim3(groups, 1, 1));
+  const dim3 grid = one_warp_grid<BW, TPW>(p);
+  return launch_decode(kernel, grid, dim3(32), p, stream, 0, dim3(grid.x, 1, 1));
 }
 
 // Whether the one-warp grid of BW * TPW rows a block can take the epilogue in clusters.
