@@ -414,25 +414,37 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   }
 }
 
-// The streaming kernel's launch (launch_mtp_stream): more warps a block while the grid's warps
-// number at most kMtpWideWarpsPerSm an SM (fp32 state: kMtpWideWarpsPerSmF32), else kMtpNarrowWarps
-// a block.
-constexpr int64_t kMtpWideWarpsPerSm = 64;
-constexpr int kMtpNarrowWarps = 4;
-// fp32 state (4 KB chunks at K = 128) keeps 8-warp blocks up to twice the grid warps, and requests of
-// at most two tokens take at most kMtpShortWideWarps a block even where the grid is small (a block's
-// staging barrier stalls fewer warps). H100, 16/32 heads, 2 processes twice, µs: B=32 T=4 / T=8
-// 131 / 231 -> 126 / 219 (1.00x / 1.02x -> 1.04x / 1.07x vLLM's op), B=4 T=2 14.3 -> 13.7 (0.96x ->
-// 1.00x); B=4 T=8 lost 2% with 8 warps (32.4 -> 33.2), so longer requests keep 16; bf16 lost with
-// either (B=32 T=2 41.4 -> 47.6, B=4 T=2 10.2 -> 10.7: benchmarks/results-h100-mtp.md).
-constexpr int64_t kMtpWideWarpsPerSmF32 = 128;
+// The streaming kernel's launch (launch_mtp_stream): a warp a chunk while the grid's warps number
+// at most 16 an SM; past that, blocks of 8 or of 4 warps, by the rounds each grid takes
+// (stream_block_warps). fp32 requests of at most two tokens take at most kMtpShortWideWarps a block
+// even in small grids (a block's staging barrier stalls fewer warps; H100, 16/32 heads, B=4 T=2:
+// 14.3 -> 13.7 µs, 0.96x -> 1.00x vLLM's op; bf16 lost with it: benchmarks/results-h100-mtp.md).
 constexpr int kMtpShortWideWarps = 8;
-// Requests of at most two tokens past kMtpShortWarpsPerSm grid warps an SM take blocks of
-// kMtpShortWarps: twice the blocks an SM at the same registers, so a block's staging and epilogue
-// barriers stall fewer warps (H200, T=2, B=128 and 512: 0.91x -> 0.95-1.00x vLLM's op; at B=32
-// the grid is one wave and 2-warp blocks run 0.73x, at T >= 4 they lose 1-3%).
-constexpr int64_t kMtpShortWarpsPerSm = 256;
-constexpr int kMtpShortWarps = 2;
+
+// Blocks of 8 warps (w8, each two chunks where the head has 16) or of 4 (w4, four chunks), bps8 and
+// bps4 resident an SM (the driver's occupancy at the block's warps and ring). A round is a wave of
+// resident blocks, and a warp streams its chunks one after another, so a grid's length is its
+// rounds times the chunks a warp takes. 8 warps where that is at most 9/10 of 4 warps' (bf16,
+// 16/32 heads: B=8, one round either way, half the chunks a warp; B=24, 3 rounds of 2 chunks
+// against 2 of 4), or, for requests of more than four tokens, where it is no longer and both grids
+// fill their last rounds to 90% (a warp's longer stream of chunks then gains 1-3%); else 4, whose
+// barriers stall fewer warps. H100, 16/32 heads, µs, 8 -> 4 warps (benchmarks/results-h100-mtp.md):
+// bf16 T=2 B=12 / 16 / 32 / 128: 23.5 / 25.8 / 48.0 / 177 -> 18.3 / 23.2 / 41.5 / 153; B=24 T=4 /
+// T=8 53.7 / 90.0 -> 58.6 / 105 (so 8 there); T=8 B=16 / 32 63.0 / 118 -> 64.4 / 122 (8 there);
+// fp32 (three 4-warp blocks an SM, their ring takes the shared memory) B=16 T=2 41.1 -> 45.6 (8).
+// It replaces 2-warp blocks for requests of at most two tokens in large grids (an H200 gain at an
+// older commit, bf16 B=512 T=2 524 -> 476 µs): on this commit's H100, 4 warps beat them at every
+// T=2 batch from 128 to 512, both states (bf16 B=512 592 -> 580, fp32 1152 -> 1134 µs).
+inline int stream_block_warps(int64_t blocks, int chunks, int64_t sms, bool long_requests, int w8, int bps8, int w4,
+                              int bps4) {
+  if (w8 == w4 || bps8 <= 0 || bps4 <= 0) return w4;
+  auto rounds = [&](int bps) { return (blocks + bps * sms - 1) / (bps * sms); };
+  const int64_t r8 = rounds(bps8), r4 = rounds(bps4);
+  const int64_t work8 = r8 * ((chunks + w8 - 1) / w8), work4 = r4 * ((chunks + w4 - 1) / w4);
+  const bool full8 = blocks * 10 >= r8 * bps8 * sms * 9, full4 = blocks * 10 >= r4 * bps4 * sms * 9;
+  return work8 * 10 <= work4 * 9 || (long_requests && work8 <= work4 && full8 && full4) ? w8 : w4;
+}
+
 // Row groups of the streaming kernel (launch_mtp_stream): blocks a head at most 1 / kMtpGroupSmShare
 // of the SMs, each at least kMtpGroupChunks row chunks (blocks of fewer warps stage several tokens a
 // warp), or up to one block an SM where each keeps twice that; at most kMtpMaxClusterGroups in a
@@ -467,21 +479,27 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   while (groups * 2 <= max_groups && groups_fit(groups * 2)) groups *= 2;
   const int chunks = head_chunks / groups;
   // A warp a chunk (at most 16: the launch bound; fp32 requests of at most two tokens, 8) while the
-  // grid fills the GPU only a few times; then 8 warps a block, each two chunks; past
-  // kMtpWideWarpsPerSm warps an SM (fp32: kMtpWideWarpsPerSmF32), 4, or 2 for requests of at most
-  // two tokens past kMtpShortWarpsPerSm (benchmarks/results-h100-mtp.md, results-h200-mtp.md).
+  // grid's warps number at most 16 an SM; past that, 8 or 4 warps a block (stream_block_warps).
   const int64_t grid_warps = p.N * p.HV * head_chunks;
-  constexpr bool f32 = std::is_same_v<ST, float>;
-  const bool short_requests = p.L <= 2 * p.N;
-  const int widest = f32 && short_requests ? kMtpShortWideWarps : 16;
+  const int widest = std::is_same_v<ST, float> && p.L <= 2 * p.N ? kMtpShortWideWarps : 16;
   const int wide = chunks < widest ? chunks : widest;
-  const int64_t wide_per_sm = f32 ? kMtpWideWarpsPerSmF32 : kMtpWideWarpsPerSm;
-  const int warps = grid_warps <= 16 * sms           ? wide
-                    : grid_warps <= wide_per_sm * sms ? (wide < 8 ? wide : 8)
-                    : short_requests && grid_warps > kMtpShortWarpsPerSm * sms && chunks >= kMtpShortWarps
-                        ? kMtpShortWarps
-                        : (wide < kMtpNarrowWarps ? wide : kMtpNarrowWarps);
-  const size_t ring = size_t(warps) * stream_ring_depth(chunks, warps, chunk_bytes) * chunk_bytes;
+  auto ring_bytes = [&](int w) { return size_t(w) * stream_ring_depth(chunks, w, chunk_bytes) * chunk_bytes; };
+  auto resident = [&](int w) {
+    if (allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring_bytes(w)) != 0 ||
+        allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring_bytes(w)) != 0) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return p.g_per_channel ? resident_blocks_of<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, w * 32, ring_bytes(w))
+                           : resident_blocks_of<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, w * 32, ring_bytes(w));
+  };
+  int warps = wide;
+  if (grid_warps > 16 * sms) {
+    const int w8 = wide < 8 ? wide : 8, w4 = wide < 4 ? wide : 4;
+    warps = w8 == w4 ? w4
+                     : stream_block_warps(p.N * p.HV * groups, chunks, sms, p.L > 4 * p.N, w8, resident(w8), w4, resident(w4));
+  }
+  const size_t ring = ring_bytes(warps);
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
   return launch_decode(kernel, request_head_grid(p, static_cast<unsigned>(groups)), dim3(static_cast<unsigned>(warps) * 32),

@@ -12,14 +12,25 @@ namespace cudelta {
 namespace {
 
 // Resident blocks per SM of `Kernel` on `device` with `threads` threads and `smem` bytes of dynamic
-// shared memory: asked of the driver once per kernel and device, then cached.
+// shared memory: asked of the driver once per kernel, device and block size (again where the
+// shared memory changes), then cached. 0 where the driver cannot say (its error is cleared, so that
+// no later launch check reports it).
 template <auto Kernel>
 int resident_blocks_of(int device, int threads, size_t smem) {
-  static int cached[64] = {};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  struct Seen {
+    size_t smem;
+    int blocks;
+  };
+  static Seen cached[64][33] = {};
+  const int warps = threads / 32;
+  const bool keep = device >= 0 && device < 64 && warps >= 1 && warps <= 32;
+  if (keep && cached[device][warps].blocks > 0 && cached[device][warps].smem == smem) return cached[device][warps].blocks;
   int blocks = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, threads, smem);
-  if (device >= 0 && device < 64 && blocks > 0) cached[device] = blocks;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, threads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (keep && blocks > 0) cached[device][warps] = {smem, blocks};
   return blocks;
 }
 
