@@ -143,6 +143,13 @@ __device__ __forceinline__ float gate_act(float z, int activation) {
   return activation == 2 ? s : z * s;
 }
 
+// The gated RMSNorm epilogue of one output: o (already rounded to out's dtype) times 1 / rms over
+// the head's V outputs (sumsq: the sum of their squares), times w and act(z). Every kernel with the
+// epilogue ends in this one expression, so that they all round it alike.
+__device__ __forceinline__ float gated_rms_norm(const GdnDecodeParams& p, float o, float sumsq, float w, float z) {
+  return o * rsqrtf(sumsq / static_cast<float>(p.V) + p.norm_eps) * w * gate_act(z, p.gate_activation);
+}
+
 // Block n's request in both multi-token kernels: its token rows [bos, bos + len) and the slot its
 // state starts from. Returns whether the block computes; where it does not, `zero_rows(first, end)`
 // (the kernel's own division of rows among its threads) has zeroed what the call's contract says:

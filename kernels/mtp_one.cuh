@@ -56,8 +56,7 @@ __global__ void __launch_bounds__(512) decode_vk_one_kernel(const GdnDecodeParam
   if (epilogue) {
     float total = 0.f;
     for (int i = 0; i < warps; ++i) total += s_sumsq[i];
-    o *= rsqrtf(total / static_cast<float>(V) + p.norm_eps) * widen_bits(w_bits, p.norm_weight_dtype) *
-         gate_act(widen_bits(z_bits, p.z_dtype), p.gate_activation);
+    o = gated_rms_norm(p, o, total, widen_bits(w_bits, p.norm_weight_dtype), widen_bits(z_bits, p.z_dtype));
   }
   store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
 }
@@ -112,8 +111,8 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decod
     if (!mine) return;
     float total = 0.f;
     for (unsigned i = 0; i < blocks; ++i) total += s_ss[i];
-    const float o = s_o[row0 + lane] * rsqrtf(total / static_cast<float>(p.V) + p.norm_eps) *
-                    widen_bits(w_bits, p.norm_weight_dtype) * gate_act(widen_bits(z_bits, p.z_dtype), p.gate_activation);
+    const float o = gated_rms_norm(p, s_o[row0 + lane], total, widen_bits(w_bits, p.norm_weight_dtype),
+                                   widen_bits(z_bits, p.z_dtype));
     store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + row0 + lane, o);
   }
 }
@@ -142,13 +141,13 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
     o[j] = widen_bits(o_bits[j], p.dtype);
     ss += o[j] * o[j];
   }
-  const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(V) + p.norm_eps);
+  ss = warp_sum(ss);
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
     const int v = lane + 32 * j;
     if (v < V) {
-      store_f(p.out, p.dtype, o_at + v, o[j] * rstd * widen_bits(w_bits[j], p.norm_weight_dtype) *
-                                            gate_act(widen_bits(z_bits[j], p.z_dtype), p.gate_activation));
+      store_f(p.out, p.dtype, o_at + v,
+              gated_rms_norm(p, o[j], ss, widen_bits(w_bits[j], p.norm_weight_dtype), widen_bits(z_bits[j], p.z_dtype)));
     }
   }
 }

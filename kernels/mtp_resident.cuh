@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
       __syncthreads();
       float total = 0.f;
       for (int i = 0; i < warps; ++i) total += slot_sums[i];
-      o = o * rsqrtf(total / static_cast<float>(p.V) + p.norm_eps) * w * gate_act(widen_bits(z_bits, p.z_dtype), p.gate_activation);
+      o = gated_rms_norm(p, o, total, w, widen_bits(z_bits, p.z_dtype));
     }
     if (writer) store_f(p.out, p.dtype, o_at, o);
     // The update, each row's u brought back from its lanes.

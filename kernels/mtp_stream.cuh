@@ -378,12 +378,12 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
       } else {
         __syncthreads();
       }
-      // Token t's 1 / rms from the head's chunk sums in chunk order, whichever blocks made them (a
-      // warp's threads share t: broadcast reads).
-      auto rstd = [&](int t) {
+      // Token t's sum of squares from the head's chunk sums in chunk order, whichever blocks made them
+      // (a warp's threads share t: broadcast reads).
+      auto sumsq = [&](int t) {
         float ss = 0.f;
         for (int c = 0; c < V / R; ++c) ss += s_ss[t][c];
-        return rsqrtf(ss / static_cast<float>(V) + p.norm_eps);
+        return ss;
       };
 #pragma unroll
       for (int j = 0; j < ZPT; ++j) {
@@ -392,13 +392,13 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         const int t = i / rows, v = row0 + i % rows;
         const float z = widen_bits(z_bits[j], p.z_dtype), w = widen_bits(w_bits[j], p.norm_weight_dtype);
         store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
-                s_o[t][v] * rstd(t) * w * gate_act(z, p.gate_activation));
+                gated_rms_norm(p, s_o[t][v], sumsq(t), w, z));
       }
       for (int i = threadIdx.x + ZPT * blockDim.x; i < tg * rows; i += blockDim.x) {  // long passes on few warps
         const int t = i / rows, v = row0 + i % rows;
         const float z = load_f(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v);
         store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
-                s_o[t][v] * rstd(t) * load_f(p.norm_weight, p.norm_weight_dtype, v) * gate_act(z, p.gate_activation));
+                gated_rms_norm(p, s_o[t][v], sumsq(t), load_f(p.norm_weight, p.norm_weight_dtype, v), z));
       }
     }
     // The staged tokens, outputs and sums are reused by the next pass (in a cluster, sums arrive from
