@@ -429,8 +429,8 @@ constexpr int kMtpShortWideWarps = 8;
 // against 2 of 4), or, for requests of more than four tokens, where it is no longer and both grids
 // fill their last rounds to 90% (a warp's longer stream of chunks then gains 1-3%); else 4, whose
 // barriers stall fewer warps. H100, 16/32 heads, µs, 8 -> 4 warps (benchmarks/results-h100-mtp.md):
-// bf16 T=2 B=12 / 16 / 32 / 128: 23.5 / 25.8 / 48.0 / 177 -> 18.3 / 23.2 / 41.5 / 153; B=24 T=4 /
-// T=8 53.7 / 90.0 -> 58.6 / 105 (so 8 there); T=8 B=16 / 32 63.0 / 118 -> 64.4 / 122 (8 there);
+// bf16 T=2 B=12 / 16 / 32 / 128: 23.4 / 25.7 / 47.9 / 177 -> 18.4 / 23.3 / 41.7 / 153; B=24 T=4 /
+// T=8 53.7 / 90.3 -> 58.6 / 105 (so 8 there); T=8 B=16 / 32 62.8 / 118 -> 64.3 / 122 (8 there);
 // fp32 (three 4-warp blocks an SM, their ring takes the shared memory) B=16 T=2 41.1 -> 45.6 (8).
 // It replaces 2-warp blocks for requests of at most two tokens in large grids (an H200 gain at an
 // older commit, bf16 B=512 T=2 524 -> 476 µs): on this commit's H100, 4 warps beat them at every
