@@ -202,10 +202,7 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // too, 16-warp blocks up to a pair an SM and 8-warp blocks up to sixteen (its second launch costs
 // more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
 // 64 41.4 / 76.0 -> 40.1 / 75.0 µs; bf16 B=32, 7.8 pairs an SM, 26.6 -> 24.2 µs, but at B=64 47.0
-// against 45.6 µs for the split). bf16 blocks are 8 warps of 16 rows up to two pairs an SM, 16 warps
-// of 8 rows beyond (H100, the compat call, µs: B=16 / 32 16.5 / 28.6 -> 16.0 / 28.1; B=4 6.7 ->
-// 7.0, B=8 even; on an H200 at an older commit 16 warps had lost at B=16-32, 14.3 / 26.2 -> 15.4 /
-// 27.1). Elsewhere the warp kernel's builds and the separate epilogue (H100,
+// against 45.6 µs for the split). Elsewhere the warp kernel's builds and the separate epilogue (H100,
 // benchmarks/results-h100-mtp.md); below half a pair an SM with the epilogue, on sm_90+ images, the
 // one-warp grid with the epilogue in clusters instead (decode_vk_one_warp_kernel, CLUSTER_EPI).
 template <typename ST>
@@ -222,8 +219,7 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   } else {
     if (pairs <= sms / 2 && one_cluster_fits<16, 1>(p)) return launch_vk_one_cluster<128, ST, 16, 1, true>(p, stream);
     if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
-    if (pairs <= 2 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
-    if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
+    if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);
     return launch_vk_one_split<128, ST, 16, 1, false>(p, stream);
   }
