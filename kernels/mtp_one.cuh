@@ -202,7 +202,10 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // too, 16-warp blocks up to a pair an SM and 8-warp blocks up to sixteen (its second launch costs
 // more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
 // 64 41.4 / 76.0 -> 40.1 / 75.0 µs; bf16 B=32, 7.8 pairs an SM, 26.6 -> 24.2 µs, but at B=64 47.0
-// against 45.6 µs for the split). Elsewhere the warp kernel's builds and the separate epilogue (H100,
+// against 45.6 µs for the split). bf16 blocks of 16 warps of 8 rows from two pairs an SM gained on
+// an H100 (the compat call B=16 / 32 16.5 / 28.6 -> 16.0 / 28.1 µs) but spill 4 bytes in the sm_100
+// and sm_120 builds (ptxas keeps them at 64 registers), where they cannot be timed here: not taken
+// (benchmarks/results-h100-mtp.md). Elsewhere the warp kernel's builds and the separate epilogue (H100,
 // benchmarks/results-h100-mtp.md); below half a pair an SM with the epilogue, on sm_90+ images, the
 // one-warp grid with the epilogue in clusters instead (decode_vk_one_warp_kernel, CLUSTER_EPI).
 template <typename ST>
