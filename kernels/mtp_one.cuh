@@ -28,8 +28,21 @@ constexpr int kMaxOneRows = 128;
 // decode_vk_one_kernel, small grids: a block of V / BW warps a (request, value head). The warps keep
 // their outputs in shared memory and meet once, after their state stores are issued; the barrier
 // waits on the block's slowest warp, not on memory traffic. One launch: the latency regime's choice.
+// The blocks an SM decode_vk_one_kernel's launch bound asks ptxas for: none (0: the bound's thread
+// count alone) but for the bf16 build of 16 warps (BW = 8) on sm_100 and later, where ptxas kept it
+// at 64 registers and spilled 4 bytes a thread without it; sm_80 and sm_90a do not spill, and their
+// cubins are the same with or without it.
+template <typename ST, int BW>
+__host__ __device__ constexpr int one_kernel_min_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  return !std::is_same_v<ST, float> && BW == 8 ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM>
-__global__ void __launch_bounds__(512) decode_vk_one_kernel(const GdnDecodeParams p) {
+__global__ void __launch_bounds__(512, (one_kernel_min_blocks<ST, BW>())) decode_vk_one_kernel(const GdnDecodeParams p) {
   __shared__ float s_o[kMaxOneRows];
   __shared__ float s_sumsq[16];
   pdl_enter();
@@ -202,12 +215,13 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // too, 16-warp blocks up to a pair an SM and 8-warp blocks up to sixteen (its second launch costs
 // more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
 // 64 41.4 / 76.0 -> 40.1 / 75.0 µs; bf16 B=32, 7.8 pairs an SM, 26.6 -> 24.2 µs, but at B=64 47.0
-// against 45.6 µs for the split). bf16 blocks of 16 warps of 8 rows from two pairs an SM gained on
-// an H100 (the compat call B=16 / 32 16.5 / 28.6 -> 16.0 / 28.1 µs) but spill 4 bytes in the sm_100
-// and sm_120 builds (ptxas keeps them at 64 registers), where they cannot be timed here: not taken
-// (benchmarks/results-h100-mtp.md). Elsewhere the warp kernel's builds and the separate epilogue (H100,
-// benchmarks/results-h100-mtp.md); below half a pair an SM with the epilogue, on sm_90+ images, the
-// one-warp grid with the epilogue in clusters instead (decode_vk_one_warp_kernel, CLUSTER_EPI).
+// against 45.6 µs for the split). bf16 blocks are 8 warps of 16 rows up to two pairs an SM, 16 warps
+// of 8 rows beyond (H100, the compat call, µs: B=16 / 32 16.5 / 28.6 -> 16.0 / 28.1; B=4 6.7 ->
+// 7.0, B=8 even; on an H200 at an older commit 16 warps had lost at B=16-32, 14.3 / 26.2 -> 15.4 /
+// 27.1; sm_100 and later build it with one_kernel_min_blocks). Elsewhere the warp kernel's builds
+// and the separate epilogue (H100, benchmarks/results-h100-mtp.md); below half a pair an SM with the
+// epilogue, on sm_90+ images, the one-warp grid with the epilogue in clusters instead
+// (decode_vk_one_warp_kernel, CLUSTER_EPI).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
@@ -222,7 +236,8 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   } else {
     if (pairs <= sms / 2 && one_cluster_fits<16, 1>(p)) return launch_vk_one_cluster<128, ST, 16, 1, true>(p, stream);
     if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
-    if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (pairs <= 2 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
     if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);
     return launch_vk_one_split<128, ST, 16, 1, false>(p, stream);
   }
