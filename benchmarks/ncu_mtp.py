@@ -2,6 +2,7 @@
 
     python benchmarks/fetch_vllm_ops.py          # once, on a machine with PyPI: vLLM's op to .peers/
     python -P benchmarks/ncu_mtp.py [--cells bfloat16:512:2 ...] [--calls 3] [--out FILE]
+    python -P benchmarks/ncu_mtp.py --source --calls 8 --cells bfloat16:4:2   # where the warps wait
 
 Each cell (state dtype, B, T) is built as mtp_bench.py builds it (vLLM's GDN call: packed mixed_qkv,
 cu_seqlens, idx [B, T], num_accepted_tokens, the gated RMSNorm), and both implementations make
@@ -29,6 +30,7 @@ sys.path.insert(0, str(HERE))
 
 import mtp_bench  # noqa: E402
 import mtp_report as report  # noqa: E402
+import ncu_source  # noqa: E402
 
 DEFAULT_CELLS = ("bfloat16:1:1", "bfloat16:8:2", "bfloat16:32:2", "bfloat16:512:1", "bfloat16:512:2",
                  "bfloat16:512:4", "float32:512:2")
@@ -156,6 +158,41 @@ def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: s
     return raw_rows(text)
 
 
+# --source: each implementation's kernels apart (their launches summed per kernel), the first half
+# of the calls left unprofiled so that the inputs are warm in L2 as in mtp_bench.py.
+SOURCE_KERNELS = {report.CUDELTA: "regex:decode_", report.VLLM_CUDA: "regex:gdn_decode_post_conv"}
+
+
+def profile_source(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str,
+                   kernels: str) -> dict[str, ncu_source.SourceProfile]:
+    """Warp-stall samples per instruction, as the benchmark runs the cell: no cache flush, and
+    application replay (each pass reruns the process, so the state slots are as cold as there)."""
+    state, B, T = cell
+    with tempfile.TemporaryDirectory(prefix="ncu-src-") as tmp:
+        report_file = Path(tmp) / "source"
+        cmd = [ncu, "--clock-control", "none", "--cache-control", "none", "--replay-mode", "application",
+               "--section", "SourceCounters", "--warp-sampling-interval", "0", "--kernel-name", kernels,
+               "--launch-skip", str(calls // 2), "--launch-count", str(calls - calls // 2), "-o", str(report_file),
+               sys.executable, "-P", str(Path(__file__).resolve()), "--workload", f"{state}:{B}:{T}",
+               "--calls", str(calls), "--so", so, "--so-reason", reason]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"ncu_mtp: {' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+        page = subprocess.run([ncu, "--import", f"{report_file}.ncu-rep", "--page", "source", "--csv",
+                               "--print-source", "sass"], capture_output=True, text=True, check=True)
+    return ncu_source.parse(page.stdout)
+
+
+def summarise_source(label: str, impl: str, profiles: dict[str, ncu_source.SourceProfile]) -> list[str]:
+    lines = []
+    for name, prof in profiles.items():
+        share, text = prof.hottest()
+        stalls = ", ".join(f"{reason} {pct:.1f}" for reason, pct in prof.reason_shares())
+        lines.append(f"| {label} | {impl} | {short_name(name)} | {prof.executed_per_launch() / 1e3:,.1f} | "
+                     f"{stalls} | {share:.1f}: `{text}` |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cells", type=parse_cell, nargs="+", default=[parse_cell(c) for c in DEFAULT_CELLS],
@@ -163,6 +200,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=3, help="calls of each implementation per cell")
     parser.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     parser.add_argument("--out", type=Path, help="also write the table here")
+    parser.add_argument("--source", action="store_true",
+                        help="where the warps wait instead: warp-stall samples per SASS instruction "
+                             "(--calls of each implementation, the second half profiled)")
     parser.add_argument("--workload", type=parse_cell, help=argparse.SUPPRESS)
     parser.add_argument("--so", default="", help=argparse.SUPPRESS)
     parser.add_argument("--so-reason", default="", help=argparse.SUPPRESS)
@@ -174,6 +214,8 @@ def main() -> int:
     so, reason = mtp_bench.unpack_cuda_op(mtp_bench.cuda_op_archive(None), Path(unpacked.name))
     import torch
 
+    if args.source:
+        return main_source(args, so, reason, torch)
     head = ("| cell | impl | kernel grid x block | " + " | ".join(COLUMNS.values())
             + " | top stalls (cycles per issued instruction) |")
     lines = [f"ncu --clock-control none, caches flushed before each launch; medians of {args.calls} calls; "
@@ -182,6 +224,26 @@ def main() -> int:
     for cell in args.cells:
         lines += summarise(f"{cell[0]} B={cell[1]} T={cell[2]}", profile(args.ncu, cell, args.calls, so, reason))
         print(lines[-1], file=sys.stderr, flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+def main_source(args, so: str, reason: str, torch) -> int:
+    lines = [f"ncu --clock-control none --cache-control none --replay-mode application, warp-stall sampling "
+             f"every 32 cycles; the last {args.calls - args.calls // 2} of {args.calls} calls of each implementation, "
+             f"summed; {torch.cuda.get_device_name(0)}, torch {torch.__version__}", "",
+             "| cell | impl | kernel | warp instructions a launch (thousands) | top stalls (% of samples) | "
+             "hottest instruction (% of samples) |", "|---|---|---|---|---|---|"]
+    for cell in args.cells:
+        for impl, kernels in SOURCE_KERNELS.items():
+            if impl == report.VLLM_CUDA and not so:
+                continue
+            lines += summarise_source(f"{cell[0]} B={cell[1]} T={cell[2]}", impl,
+                                      profile_source(args.ncu, cell, args.calls, so, reason, kernels))
+            print(lines[-1], file=sys.stderr, flush=True)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -1,0 +1,93 @@
+"""Where a kernel's warps wait, instruction by instruction: ncu's source page (SASS with warp-stall
+samples) read into a few figures. ncu_mtp.py --source prints them for cudelta and vLLM's op.
+
+Samples are taken per warp at a fixed interval, so a reason's share of them is its share of the
+warps' time. A warp waiting at a block barrier is sampled a few instructions after the BAR.SYNC
+(sm_90's BAR.SYNC.DEFER_BLOCKING blocks at the first instruction that must wait for it).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
+# How far after a BAR.SYNC its waits are sampled (sm_90a, decode_mtp_stream_kernel: 3 instructions).
+BARRIER_REACH = 4
+
+
+@dataclass
+class SourceProfile:
+    """One kernel's source page, summed over the launches it holds."""
+
+    kernel: str
+    launches: int = 0
+    instructions: list[str] = field(default_factory=list)  # SASS, in address order
+    samples: list[float] = field(default_factory=list)  # per instruction
+    executed: list[float] = field(default_factory=list)  # warp-level, per instruction
+    reasons: Counter = field(default_factory=Counter)  # stall reason -> samples
+
+    @property
+    def total(self) -> float:
+        return sum(self.samples)
+
+    def reason_shares(self, top: int = 4) -> list[tuple[str, float]]:
+        """The largest stall reasons, as percentages of all samples."""
+        return [(name, 100.0 * n / self.total) for name, n in self.reasons.most_common(top)] if self.total else []
+
+    def hottest(self) -> tuple[float, str]:
+        """The instruction with the most samples: its share and text ("after BAR.SYNC" where a
+        block barrier is among the BARRIER_REACH instructions before it: its warps wait there)."""
+        if not self.total:
+            return 0.0, ""
+        i = max(range(len(self.samples)), key=self.samples.__getitem__)
+        text = self.instructions[i]
+        if any("BAR.SYNC" in before for before in self.instructions[max(0, i - BARRIER_REACH):i]):
+            text += " (after BAR.SYNC)"
+        return 100.0 * self.samples[i] / self.total, text
+
+    def executed_per_launch(self) -> float:
+        return sum(self.executed) / self.launches if self.launches else 0.0
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def parse(text: str) -> dict[str, SourceProfile]:
+    """`ncu --import REPORT --page source --csv --print-source sass`: one block per profiled launch,
+    each a "Kernel Name" line, a header and a row per instruction. Kernel name -> its profile, the
+    launches of one kernel summed instruction by instruction."""
+    profiles: dict[str, SourceProfile] = {}
+    for block in re.split(r'^"Kernel Name",', text, flags=re.M)[1:]:
+        name_line, _, body = block.partition("\n")
+        name = next(csv.reader([name_line]))[0]
+        rows = list(csv.reader(io.StringIO(body)))
+        if not rows or SAMPLES not in rows[0]:
+            continue
+        head = rows[0]
+        at = {h: i for i, h in enumerate(head)}
+        stalls = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
+        prof = profiles.setdefault(name, SourceProfile(name))
+        rows = [r for r in rows[1:] if len(r) == len(head)]
+        if prof.launches and len(rows) != len(prof.instructions):
+            raise ValueError(f"{name}: launches with different code ({len(rows)} and {len(prof.instructions)} instructions)")
+        if not prof.launches:
+            prof.instructions = [r[at["Source"]].strip() for r in rows]
+            prof.samples = [0.0] * len(rows)
+            prof.executed = [0.0] * len(rows)
+        prof.launches += 1
+        for i, r in enumerate(rows):
+            prof.samples[i] += _number(r[at[SAMPLES]])
+            prof.executed[i] += _number(r[at[EXECUTED]]) if EXECUTED in at else 0.0
+            for h in stalls:
+                if v := _number(r[at[h]]):
+                    prof.reasons[h.removeprefix("stall_")] += v
+    return profiles
