@@ -48,7 +48,8 @@ int launch_gdn_decode(const GdnDecodeParams& p, Variant v, void* stream) {
   if (p.N == 0) return 0;
   const int id = static_cast<int>(v);
   if (id < 0 || id >= kNumVariants) return static_cast<int>(cudaErrorInvalidValue);
-  // The multi-token kernel puts requests on the grid's x dimension (2^31 - 1 blocks): no split.
+  // The multi-token kernels put requests on the grid's x dimension (2^31 - 1 blocks; launch_vk_one
+  // keeps its one-warp grid, which holds them on z, to the calls that fit): no split.
   if (p.N > kMaxRequestsPerLaunch && !p.multi_token()) {
     // Requests are independent: launch them in chunks the grid can hold, each chunk's per-request
     // pointers advanced past the previous ones.

@@ -226,6 +226,9 @@ template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
   const bool epilogue = p.gate_activation > 0;
+  // The one-warp grid holds requests on z: a call with more than it holds takes the block kernel,
+  // whose grid holds them on x (launch_gdn_decode does not split multi-token calls).
+  if (request_blocks(p) > kMaxGridYZ) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
   if constexpr (std::is_same_v<ST, float>) {
     if (pairs < sms / 2 && one_cluster_fits<8, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 2, true>(p, stream);
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);

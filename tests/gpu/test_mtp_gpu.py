@@ -279,3 +279,36 @@ def test_cuda_graph_replay_with_new_inputs_copied_in_gives_the_new_result(case):
     torch.cuda.synchronize()
     assert torch.equal(out, expected) and torch.equal(static.storage, fresh.storage)
     mc.check(new, static, before, out)
+
+
+# More requests than a grid's y or z dimension holds (65535): the one-token launch rule's one-warp
+# grid holds requests on z, so such a call takes the block kernel (kernels/mtp_one.cuh,
+# launch_vk_one), and multi-token calls are not split (kernels/dispatch.cu). Requests are
+# independent: the call must compute what the same requests compute in two calls that fit (those
+# take the one-warp grid and the separate epilogue: another summation order, so bf16 rounding apart).
+def test_a_one_token_call_with_more_requests_than_a_grid_dimension_holds():
+    N, K = 65535 + 65, 128
+    gen = torch.Generator(device=DEVICE).manual_seed(560)
+    bf16 = dict(device=DEVICE, dtype=torch.bfloat16)
+    q, k, v, z = (torch.randn(N, 1, K, generator=gen, **bf16) for _ in range(4))
+    g = -0.5 * torch.rand(N, 1, generator=gen, device=DEVICE)
+    beta = torch.sigmoid(torch.randn(N, 1, generator=gen, device=DEVICE))
+    w = 1 + 0.1 * torch.randn(K, generator=gen, **bf16)
+    idx = torch.arange(1, N + 1, device=DEVICE, dtype=torch.int32).unsqueeze(1)  # [N, 1], slot 0 the null block
+    acc = torch.ones(N, device=DEVICE, dtype=torch.int32)
+    before = (0.1 * torch.randn(N + 1, 1, K, K, generator=gen, device=DEVICE)).to(torch.bfloat16)
+
+    def step(rows: slice, state: torch.Tensor) -> torch.Tensor:
+        return cudelta.gdn_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], state, idx[rows], layout="vk",
+                                  invalid_slot="nonpositive", use_qk_l2norm=True, num_accepted_tokens=acc[rows],
+                                  output_gate=z[rows], norm_weight=w, norm_eps=1e-5, gate_activation="silu")
+
+    whole = before.clone()
+    out = step(slice(0, N), whole)
+    halves = before.clone()
+    out_halves = torch.cat([step(slice(0, N // 2), halves), step(slice(N // 2, N), halves)])
+    torch.cuda.synchronize()
+    assert not torch.equal(whole[1:], before[1:])  # every slot written
+    assert torch.equal(whole[0], before[0])  # the null block untouched
+    torch.testing.assert_close(out.float(), out_halves.float(), rtol=2e-2, atol=3e-2)
+    torch.testing.assert_close(whole.float(), halves.float(), rtol=1e-2, atol=2e-3)
