@@ -143,14 +143,32 @@ def summarise(label: str, rows: list[dict]) -> list[str]:
     return lines
 
 
-def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[dict]:
+def cell_label(cell: tuple[str, int, int]) -> str:
     state, B, T = cell
+    return f"{state} B={B} T={T}"
+
+
+def workload_command(cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[str]:
+    """This script's --workload run of the cell: the process ncu profiles."""
+    state, B, T = cell
+    return [sys.executable, "-P", str(Path(__file__).resolve()), "--workload", f"{state}:{B}:{T}",
+            "--calls", str(calls), "--so", so, "--so-reason", reason]
+
+
+def write_table(lines: list[str], out: Path | None) -> int:
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+    return 0
+
+
+def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="ncu-mtp-") as tmp:
         log = Path(tmp) / "ncu.csv"
         cmd = [ncu, "--clock-control", "none", *[a for s in SECTIONS for a in ("--section", s)],
                "--kernel-name", KERNELS, "--csv", "--page", "raw", "--log-file", str(log),
-               sys.executable, "-P", str(Path(__file__).resolve()), "--workload", f"{state}:{B}:{T}",
-               "--calls", str(calls), "--so", so, "--so-reason", reason]
+               *workload_command(cell, calls, so, reason)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         text = (log.read_text() if log.exists() else "") + "\n" + proc.stdout
         if proc.returncode != 0:
@@ -167,14 +185,12 @@ def profile_source(ncu: str, cell: tuple[str, int, int], calls: int, so: str, re
                    kernels: str) -> dict[str, ncu_source.SourceProfile]:
     """Warp-stall samples per instruction, as the benchmark runs the cell: no cache flush, and
     application replay (each pass reruns the process, so the state slots are as cold as there)."""
-    state, B, T = cell
     with tempfile.TemporaryDirectory(prefix="ncu-src-") as tmp:
         report_file = Path(tmp) / "source"
         cmd = [ncu, "--clock-control", "none", "--cache-control", "none", "--replay-mode", "application",
                "--section", "SourceCounters", "--warp-sampling-interval", "0", "--kernel-name", kernels,
                "--launch-skip", str(calls // 2), "--launch-count", str(calls - calls // 2), "-o", str(report_file),
-               sys.executable, "-P", str(Path(__file__).resolve()), "--workload", f"{state}:{B}:{T}",
-               "--calls", str(calls), "--so", so, "--so-reason", reason]
+               *workload_command(cell, calls, so, reason)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"ncu_mtp: {' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -222,13 +238,9 @@ def main() -> int:
              f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", "", head,
              "|" + "---|" * (len(COLUMNS) + 4)]
     for cell in args.cells:
-        lines += summarise(f"{cell[0]} B={cell[1]} T={cell[2]}", profile(args.ncu, cell, args.calls, so, reason))
+        lines += summarise(cell_label(cell), profile(args.ncu, cell, args.calls, so, reason))
         print(lines[-1], file=sys.stderr, flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    return write_table(lines, args.out)
 
 
 def main_source(args, so: str, reason: str, torch) -> int:
@@ -241,14 +253,10 @@ def main_source(args, so: str, reason: str, torch) -> int:
         for impl, kernels in SOURCE_KERNELS.items():
             if impl == report.VLLM_CUDA and not so:
                 continue
-            lines += summarise_source(f"{cell[0]} B={cell[1]} T={cell[2]}", impl,
+            lines += summarise_source(cell_label(cell), impl,
                                       profile_source(args.ncu, cell, args.calls, so, reason, kernels))
             print(lines[-1], file=sys.stderr, flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    return write_table(lines, args.out)
 
 
 if __name__ == "__main__":
