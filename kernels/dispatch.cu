@@ -17,8 +17,8 @@
 namespace cudelta {
 namespace {
 
-// A grid's y and z dimensions hold at most 65535 blocks; the warp kernels put requests on z.
-constexpr int64_t kMaxRequestsPerLaunch = 65535;
+// The warp kernels put requests on the grid's z dimension.
+constexpr int64_t kMaxRequestsPerLaunch = kMaxGridYZ;
 
 const void* advance(const void* p, int64_t elements, DType t) {
   return static_cast<const char*>(p) + elements * (t == DType::kFloat32 ? 4 : 2);

@@ -16,6 +16,9 @@ enum class Variant : int {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// A grid's y and z dimensions hold at most this many blocks (x: 2^31 - 1).
+constexpr int64_t kMaxGridYZ = 65535;
+
 struct GdnDecodeParams {
   // q, k [N, H, K]; v [N, HV, V]: innermost dim contiguous, strides in elements, dtype `dtype`.
   // qk_aligned: q and k start on 16 bytes and their strides are whole 16-byte units, so a lane

@@ -203,9 +203,6 @@ __device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n
 __device__ __forceinline__ int64_t block_request(const GdnDecodeParams& p) { return blockIdx.x / static_cast<uint32_t>(p.HV); }
 __device__ __forceinline__ int64_t block_head(const GdnDecodeParams& p) { return blockIdx.x % static_cast<uint32_t>(p.HV); }
 
-// A grid's y and z dimensions hold at most this many blocks (x: 2^31 - 1).
-constexpr unsigned kMaxGridYZ = 65535;
-
 // The grid's blocks along the requests: one a request, and with cu_seqlens one more, which zeroes
 // the rows after cu_seqlens[N] (request_span).
 inline unsigned request_blocks(const GdnDecodeParams& p) {
