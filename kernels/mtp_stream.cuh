@@ -113,6 +113,24 @@ __device__ __forceinline__ void raw_widen(const RawTile<VK, K, ST>& t,
   }
 }
 
+// Whether the streaming kernel takes its epilogue's sums of squares after the token loop (bf16
+// state) or in the loop, a warp reduction a chunk and token (fp32 state, and sm_100 and later
+// images: there ptxas spilled 12-32 bytes a thread otherwise, and no GPU here times them). In the
+// loop the reduction sits on the recurrence's path where few warps share an SM: the next token's
+// update issues behind its dependent shuffles (ncu, H200, bf16 B=1 T=8: 300 instructions a token,
+// issued over 1,330 cycles). After the loop, bf16, 16/32 heads, B=1-128 with 2-8 tokens: H200
+// 1.4-4.6% faster in 13 of 15 cells, level in the others (B=128 T=2 125.5 -> 121.6 µs, T=8 373 ->
+// 360); H100 2-4% faster at B=1, 1.6-2% slower at B=4 T=2 / T=4 and B=32 T=2, level elsewhere
+// (benchmarks/results-h200-mtp.md, results-h100-mtp.md).
+template <typename ST>
+__host__ __device__ constexpr bool late_epilogue_sums() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  return false;
+#else
+  return !std::is_same_v<ST, float>;
+#endif
+}
+
 template <bool VK, int K, typename ST, bool PER_CHANNEL>
 __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
   using Sh = StreamShape<VK, K, ST>;
@@ -140,6 +158,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   const int row0 = c0 * R, rows = chunks * R;
   const bool clustered = groups > 1 && cluster_size() > 1;
   const bool epilogue = p.gate_activation > 0 && (groups == 1 || clustered);
+  constexpr bool kLateSums = late_epilogue_sums<ST>();
 
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t i = threadIdx.x; i < (end - first) * rows; i += blockDim.x)
@@ -332,14 +351,20 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         const float row_decay = PER_CHANNEL ? 1.f : dec[0];
         const float u_mine = s_beta[t] * (s_v[t][my_row] - pk[0] * row_decay);
         const float o = rounded(pq[0] * row_decay + u_mine * s_qk[t], p.dtype);
+        // With the epilogue the outputs wait in shared memory; their sums of squares are taken here
+        // or after the loop (late_epilogue_sums).
         if (epilogue) {
-          // The epilogue's sum of squares, a warp's rows at a time (the writers hold each row once).
-          const float ss = warp_sum(writer ? o * o : 0.f);
-          if (writer) s_o[t][my_row] = o;
-          if (!clustered) {
-            if (lane == 0) s_ss[t][v0 / R] = ss;
-          } else if (lane < groups) {
-            store_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss);  // into every block of the head
+          if constexpr (!kLateSums) {
+            // A warp's rows at a time (the writers hold each row once).
+            const float ss = warp_sum(writer ? o * o : 0.f);
+            if (writer) s_o[t][my_row] = o;
+            if (!clustered) {
+              if (lane == 0) s_ss[t][v0 / R] = ss;
+            } else if (lane < groups) {
+              store_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss);  // into every block of the head
+            }
+          } else if (writer) {
+            s_o[t][my_row] = o;
           }
         } else if (writer) {
           store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + my_row, o);
@@ -372,6 +397,22 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     }
 
     if (epilogue) {
+      // kLateSums: each (token, row chunk) of the block, the sum of its rows' squared outputs in row
+      // order (a warp a token, a lane a chunk), into slot c of every block of the head.
+      if constexpr (kLateSums) __syncthreads();
+      if (kLateSums && lane < chunks) {
+        const int c = c0 + lane;
+        for (int t = warp; t < tg; t += warps) {
+          float ss = 0.f;
+#pragma unroll
+          for (int r = 0; r < R; ++r) ss += s_o[t][c * R + r] * s_o[t][c * R + r];
+          if (!clustered) {
+            s_ss[t][c] = ss;
+          } else {
+            for (int g = 0; g < groups; ++g) store_cluster(&s_ss[t][c], static_cast<unsigned>(g), ss);
+          }
+        }
+      }
       if (clustered) {
         cluster_arrive();
         cluster_wait();
