@@ -4,7 +4,7 @@ mtp_bench.py rates each step against a device copy of the same bytes (`copy_`: e
 written once, contiguous). The multi-token step moves its bytes in another pattern: a request's
 state is read once from its start slot and written T times, to T checkpoint slots scattered over
 vLLM's padded pool. This script times a kernel that does only that (`fan_out`, Triton: no math, no
-inputs, no outputs; one program a 16 KiB piece of a request's state, loaded once and stored to
+inputs, no outputs; one program 8192 elements of a request's state, loaded once and stored to
 each checkpoint slot) beside the copy and cudelta's step on the same cells, so that a shortfall
 from the copy can be read as the pattern's or the kernels'.
 
