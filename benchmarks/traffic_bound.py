@@ -52,8 +52,8 @@ def start_slots(idx, acc):
     return idx.gather(1, (acc.long() - 1).unsqueeze(1)).squeeze(1).contiguous()
 
 
-def mover(cell):
-    """fan_out(state, idx, start): the Triton kernel, one launch."""
+def mover(cell, block: int = MOVER_BLOCK, warps: int = MOVER_WARPS):
+    """fan_out(state, idx, start): the Triton kernel, one launch of `block`-element programs."""
     import triton
     import triton.language as tl
 
@@ -68,12 +68,11 @@ def mover(cell):
             tl.store(state + dst * slot_stride + offs, x)
 
     per_slot = cell.block // cell.itemsize
-    assert per_slot % MOVER_BLOCK == 0, (per_slot, MOVER_BLOCK)
+    assert per_slot % block == 0, (per_slot, block)
 
     def fan_out(state, idx, start):
-        grid = (idx.shape[0], per_slot // MOVER_BLOCK)
-        fan_out_kernel[grid](state, idx, start, state.stride(0), T=idx.shape[1], BLOCK=MOVER_BLOCK,
-                             num_warps=MOVER_WARPS)
+        grid = (idx.shape[0], per_slot // block)
+        fan_out_kernel[grid](state, idx, start, state.stride(0), T=idx.shape[1], BLOCK=block, num_warps=warps)
 
     return fan_out
 
@@ -95,22 +94,28 @@ def check_mover(cell, fan_out) -> None:
         raise SystemExit(f"traffic_bound: {cell.state_name} B={cell.B} T={cell.T}: the mover moved the wrong bytes")
 
 
-def run(state: str, B: int, T: int) -> dict:
+def check_step(cell, step) -> None:
+    """cudelta's step against the reference: mtp_bench's check of a cell (outputs, every slot, every
+    other byte of the pool); one that raises or disagrees stops the run."""
+    def refuse(impl, reason):
+        raise SystemExit(f"traffic_bound: {cell.state_name} B={cell.B} T={cell.T}: {impl} raised: {reason}")
+
+    result = {"checks": []}
+    bench.check_cell(cell, {report.CUDELTA: step}, refuse, result)
+    (c,) = result["checks"]
+    if not c["ok"]:
+        raise SystemExit(f"traffic_bound: {cell.state_name} B={cell.B} T={cell.T}: cudelta disagrees with the "
+                         f"reference: {c['detail']}")
+
+
+def run(state: str, B: int, T: int, block: int = MOVER_BLOCK, warps: int = MOVER_WARPS) -> dict:
     import torch
     from cudelta.vllm_compat import fused_gdn_decode_post_conv_mtp
 
     cell = bench.Cell(state, B, T, seed=1000 * B + T)
     step = cell.mtp_call(fused_gdn_decode_post_conv_mtp)
-    base_pages, base_state = cell.pool(1 + B * T + bench.SPARE_SLOTS, random_bytes=True)
-    idx = cell.slot_sets(1)[0]
-    ref_pages = base_pages.clone()
-    ref_state = ref_pages[:, bench.CONV_BYTES:bench.CONV_BYTES + cell.block].view(cell.dtype).view(base_state.shape)
-    ref_out = cell.reference(ref_state, idx, True)
-    c = bench.check(cell, report.CUDELTA, step, idx, base_pages, base_state, ref_out, ref_pages, idx.reshape(-1).long())
-    if not c["ok"]:
-        raise SystemExit(f"traffic_bound: {state} B={B} T={T}: cudelta disagrees with the reference: {c['detail']}")
-    del base_pages, base_state, ref_pages, ref_state, ref_out
-    fan_out = mover(cell)
+    check_step(cell, step)
+    fan_out = mover(cell, block, warps)
     check_mover(cell, fan_out)
     bench.empty_cache()
 
@@ -147,7 +152,6 @@ HEADER = ("| state | B | T | copy µs | mover µs (% of copy) | cudelta µs (% o
 
 
 def main(argv=None) -> int:
-    global MOVER_BLOCK, MOVER_WARPS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--states", nargs="+", default=bench.STATES)
     ap.add_argument("--batches", nargs="+", type=int, default=[32, 128, 512])
@@ -158,13 +162,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     bench.set_heads(*bench.parse_heads(args.heads))
-    MOVER_BLOCK, MOVER_WARPS = args.block, args.warps
     print(HEADER)
     rows = []
     for state in args.states:
         for B in args.batches:
             for T in args.tokens:
-                row = run(state, B, T)
+                row = run(state, B, T, args.block, args.warps)
                 rows.append(row)
                 print(row_text(row), flush=True)
     if args.json:

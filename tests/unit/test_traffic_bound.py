@@ -57,3 +57,20 @@ def test_the_mover_check_passes_a_right_mover_and_stops_one_that_misses_a_slot_o
 def test_a_row_reads_each_time_as_a_share_of_the_copy_and_cudelta_as_a_share_of_the_mover():
     row = dict(state="bfloat16", B=128, T=2, us=dict(copy=90.0, mover=100.0, cudelta=125.0))
     assert tb.row_text(row) == "| bfloat16 | 128 | 2 | 90.0 | 100.0 (90%) | 125.0 (72%) | 80% |"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("small_heads_on_cpu")
+def test_cudelta_s_step_is_checked_by_mtp_bench_s_check_and_a_wrong_one_stops_the_run():
+    from cudelta import vllm_compat
+
+    cell = mtp_bench.Cell("bfloat16", 2, 2, seed=6)
+    step = cell.mtp_call(vllm_compat.fused_gdn_decode_post_conv_mtp)
+    tb.check_step(cell, step)
+
+    def spoils_a_state(state, idx):
+        step(state, idx)
+        state[idx[0, 0]] *= 1.1
+
+    with pytest.raises(SystemExit, match="bfloat16 B=2 T=2: cudelta disagrees with the reference: state max"):
+        tb.check_step(cell, spoils_a_state)
