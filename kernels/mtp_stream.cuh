@@ -131,7 +131,9 @@ __host__ __device__ constexpr bool late_epilogue_sums() {
 #endif
 }
 
-template <bool VK, int K, typename ST, bool PER_CHANNEL>
+// STAGE_FIRST: the first pass's staging loads go out before the state's copies, not after
+// (kStreamStageFirstBuild: which calls take this build).
+template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false>
 __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
   using Sh = StreamShape<VK, K, ST>;
   constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV, R = kStreamRows, TS = kStreamTokens;
@@ -177,7 +179,8 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   // The warp's chunks c = warp, warp + warps, ... go through its ring of `depth` slots in shared
   // memory, kStreamRing of them in flight while one is computed (a group of async copies a
   // chunk, committed even where empty so that every wait counts the same). The first ones are
-  // issued before the tokens are staged, so that their round trip overlaps the staging's.
+  // issued before the tokens are staged, so that their round trip overlaps the staging's, or
+  // (STAGE_FIRST) right after a warp's first staging loads.
   using Raw = typename Chunk<ST>::Raw;
   extern __shared__ __align__(16) unsigned char s_ring_bytes[];
   const int depth = stream_ring_depth(chunks, warps, kStreamChunkRaws<VK, K, ST> * 32 * 16), mine_chunks = (chunks - warp + warps - 1) / warps;
@@ -200,7 +203,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
       cp_async_commit();
     }
   };
-  ring_start(c0 + warp);
+  if constexpr (!STAGE_FIRST) ring_start(c0 + warp);
 
   for (int64_t g0 = 0; g0 < len; g0 += TS) {
     const int tg = static_cast<int>(len - g0 < TS ? len - g0 : TS);
@@ -233,7 +236,11 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     // the kernel spill 130-240 bytes a thread (at the 128-register cap of its launch bound, a spill in
     // the step cost another change 30%: benchmarks/results-h200-mtp.md).
     const bool split = K <= 128 && 2 * tg <= warps, stage_qk = !split || warp < tg, stage_rest = !split || warp >= tg;
-    for (int base = split && warp >= tg ? warp - tg : warp; base < tg; base += kStageAhead * warps) {
+    const int stage_first = split && warp >= tg ? warp - tg : warp;
+    if constexpr (STAGE_FIRST) {
+      if (g0 == 0 && stage_first >= tg) ring_start(c0 + warp);  // a warp that stages nothing
+    }
+    for (int base = stage_first; base < tg; base += kStageAhead * warps) {
       TokenBits tb[kStageAhead];
 #pragma unroll
       for (int j = 0; j < kStageAhead; ++j) {
@@ -263,6 +270,9 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
           const int r = lane + 32 * c;
           b.v[c] = r < rows ? load_bits(p.v, p.dtype, tok * p.v_stride_n + hv * p.v_stride_h + row0 + r) : 0u;
         }
+      }
+      if constexpr (STAGE_FIRST) {
+        if (g0 == 0 && base == stage_first) ring_start(c0 + warp);
       }
 #pragma unroll
       for (int j = 0; j < kStageAhead; ++j) {
@@ -499,6 +509,19 @@ constexpr int kMtpGroupSmShare = 2;
 constexpr int kMtpGroupChunks = 4;
 constexpr int kMtpMaxClusterGroups = 8;
 
+// The staging-first build of the streaming kernel (STAGE_FIRST) and where the launch takes it: GDN
+// with a bf16 state in vLLM's layout (vk, K = 128), a warp a chunk (at most 16 warps an SM) and one
+// block a head. There the state's copies, issued first, held up the staging's loads behind them
+// and the block waited at the staging barrier for the whole state (ncu, H200, bf16 B=4 T=2: 18.5% of
+// the warps' samples at that barrier, vLLM's op 10.7%; none at the chunk's wait after it). H200,
+// 16/32 heads, B=4, T=2 / 4 / 8, µs: 9.7 / 12.0 / 17.0 -> 9.2 / 11.5 / 16.9 (vLLM's op 9.3 / 13.0
+// / 21.0; benchmarks/results-h200-mtp.md). One kernel with both orders lost 3-8% from B=32 with 4
+// and more tokens (ptxas's allocation at the 128-register cap), so the order is a separate build.
+// In that kernel the order also gained at B=8 T=2 (8-warp blocks: 12.8 -> 12.0-12.2), not yet
+// measured as this build; fp32 (-3% to +6% by cell) and row groups (B=1) did not gain.
+template <bool VK, int K, typename ST>
+constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, float>;
+
 template <bool VK, int K, typename ST>
 int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
@@ -541,11 +564,18 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
                      : stream_block_warps(p.N * p.HV * groups, chunks, sms, p.L > 4 * p.N, w8, resident(w8), w4, resident(w4));
   }
   const size_t ring = ring_bytes(warps);
+  const dim3 grid = request_head_grid(p, static_cast<unsigned>(groups)), block(static_cast<unsigned>(warps) * 32);
+  const dim3 cluster(1, 1, epilogue ? static_cast<unsigned>(groups) : 1u);
+  if constexpr (kStreamStageFirstBuild<VK, K, ST>) {
+    if (!p.g_per_channel && groups == 1 && grid_warps <= 16 * sms) {
+      auto first = decode_mtp_stream_kernel<VK, K, ST, false, true>;
+      if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, true>>(p.device, ring)) return err;
+      return launch_decode(first, grid, block, p, stream, ring, cluster);
+    }
+  }
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
-  return launch_decode(kernel, request_head_grid(p, static_cast<unsigned>(groups)), dim3(static_cast<unsigned>(warps) * 32),
-                       p, stream, ring,
-                       dim3(1, 1, epilogue ? static_cast<unsigned>(groups) : 1u));
+  return launch_decode(kernel, grid, block, p, stream, ring, cluster);
 }
 
 }  // namespace
