@@ -236,11 +236,11 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     // the kernel spill 130-240 bytes a thread (at the 128-register cap of its launch bound, a spill in
     // the step cost another change 30%: benchmarks/results-h200-mtp.md).
     const bool split = K <= 128 && 2 * tg <= warps, stage_qk = !split || warp < tg, stage_rest = !split || warp >= tg;
-    const int stage_first = split && warp >= tg ? warp - tg : warp;
+    const int first_base = split && warp >= tg ? warp - tg : warp;
     if constexpr (STAGE_FIRST) {
-      if (g0 == 0 && stage_first >= tg) ring_start(c0 + warp);  // a warp that stages nothing
+      if (g0 == 0 && first_base >= tg) ring_start(c0 + warp);  // a warp that stages nothing
     }
-    for (int base = stage_first; base < tg; base += kStageAhead * warps) {
+    for (int base = first_base; base < tg; base += kStageAhead * warps) {
       TokenBits tb[kStageAhead];
 #pragma unroll
       for (int j = 0; j < kStageAhead; ++j) {
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         }
       }
       if constexpr (STAGE_FIRST) {
-        if (g0 == 0 && base == stage_first) ring_start(c0 + warp);
+        if (g0 == 0 && base == first_base) ring_start(c0 + warp);
       }
 #pragma unroll
       for (int j = 0; j < kStageAhead; ++j) {
