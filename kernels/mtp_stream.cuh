@@ -510,15 +510,18 @@ constexpr int kMtpGroupChunks = 4;
 constexpr int kMtpMaxClusterGroups = 8;
 
 // The staging-first build of the streaming kernel (STAGE_FIRST) and where the launch takes it: GDN
-// with a bf16 state in vLLM's layout (vk, K = 128), a warp a chunk (at most 16 warps an SM) and one
-// block a head. There the state's copies, issued first, held up the staging's loads behind them
-// and the block waited at the staging barrier for the whole state (ncu, H200, bf16 B=4 T=2: 18.5% of
-// the warps' samples at that barrier, vLLM's op 10.7%; none at the chunk's wait after it). H200,
-// 16/32 heads, B=4, T=2 / 4 / 8, µs: 9.7 / 12.0 / 17.0 -> 9.2 / 11.5 / 16.9 (vLLM's op 9.3 / 13.0
-// / 21.0; benchmarks/results-h200-mtp.md). One kernel with both orders lost 3-8% from B=32 with 4
-// and more tokens (ptxas's allocation at the 128-register cap), so the order is a separate build.
-// In that kernel the order also gained at B=8 T=2 (8-warp blocks: 12.8 -> 12.0-12.2), not yet
-// measured as this build; fp32 (-3% to +6% by cell) and row groups (B=1) did not gain.
+// with a bf16 state in vLLM's layout (vk, K = 128), one block a head, and a grid of at most
+// kStreamStageFirstSmWarps chunks an SM: B=3-8 at 16/32 heads (a warp a chunk to B=4, then 8-warp
+// blocks of two chunks a warp). There the state's copies, issued first, held up the staging's loads
+// behind them and the block waited at the staging barrier for the whole state (ncu, H200, bf16 B=4
+// T=2: 18.5% of the warps' samples at that barrier, vLLM's op 10.7%; none at the chunk's wait after
+// it). H200, 16/32 heads, µs (benchmarks/results-h200-mtp.md): B=4 T=2 / 4 / 8 9.7 / 12.0 / 17.0 ->
+// 9.2 / 11.5 / 16.9 (vLLM's op 9.3 / 13.0 / 21.0); B=8 12.85 / 17.75 / 28.15 -> 12.35 / 17.4 / 28.0
+// (vLLM's op 12.0 / 18.5 / 30.7). Past that it loses: B=32 T=4 +6.5%, B=128 T=4 +2.7%; and with
+// fp32 state +4-5% from T=4 at B=4-128 (B=4 T=2 -1%). One kernel with both orders lost 3-8% from
+// B=32 with 4 and more tokens (ptxas's allocation at the 128-register cap), so the order is a
+// separate build; row groups (B=1) did not gain.
+constexpr int kStreamStageFirstSmWarps = 32;
 template <bool VK, int K, typename ST>
 constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, float>;
 
@@ -567,7 +570,7 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   const dim3 grid = request_head_grid(p, static_cast<unsigned>(groups)), block(static_cast<unsigned>(warps) * 32);
   const dim3 cluster(1, 1, epilogue ? static_cast<unsigned>(groups) : 1u);
   if constexpr (kStreamStageFirstBuild<VK, K, ST>) {
-    if (!p.g_per_channel && groups == 1 && grid_warps <= 16 * sms) {
+    if (!p.g_per_channel && groups == 1 && grid_warps <= kStreamStageFirstSmWarps * sms) {
       auto first = decode_mtp_stream_kernel<VK, K, ST, false, true>;
       if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, true>>(p.device, ring)) return err;
       return launch_decode(first, grid, block, p, stream, ring, cluster);

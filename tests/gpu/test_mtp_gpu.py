@@ -32,11 +32,11 @@ K = V = 128. Then: HEAD_DIMS, 10 calls with K, V of 64 and 256 (both layouts and
 each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Next's heads 16/32,
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8 and varying T (6). Beyond
 those: T = 1 with the epilogue only (12), vLLM's T = 1 call in every range of the one-token launch rule
-(16), the streaming kernel's row groups on small grids (5), its staging-first build (5), the epilogue against the reference's epilogue of the
+(16), the streaming kernel's row groups on small grids (5), its staging-first build (8), the epilogue against the reference's epilogue of the
 unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
 (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
 tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-108 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
+111 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
 is most of the rest, a few seconds for the largest engine batch.
 """
 
@@ -159,21 +159,25 @@ def test_a_head_split_in_row_groups_computes_the_same_step(case):
 
 
 # The streaming kernel's staging-first build (kernels/mtp_stream.cuh, kStreamStageFirstBuild): GDN,
-# a bf16 state in layout vk, a warp a chunk and one block a head, which vLLM's call takes at
-# Qwen3-Next's heads (HV = 32) when the (request, value head) pairs number between half the SMs and
-# the SMs: N from this GPU's SM count.
-STAGE_FIRST = [mc.Case(H=16, tokens="T2", seed=560), mc.Case(H=16, tokens="T4", seed=561),
-               mc.Case(H=16, tokens="T8", seed=562),
-               mc.Case(H=16, tokens="T2", slots="ckpt", epilogue="none", seed=563),
-               mc.Case(H=16, tokens="T4", slots="final", pool="contiguous", seed=564)]
+# a bf16 state in layout vk and one block a head, which vLLM's call takes at Qwen3-Next's heads
+# (HV = 32) when the (request, value head) pairs number between half the SMs and twice the SMs: a warp
+# a chunk up to the SMs (share 0.9), 8-warp blocks of two chunks a warp past them (share 1.9). N from
+# this GPU's SM count.
+STAGE_FIRST = [(0.9, mc.Case(H=16, tokens="T2", seed=560)), (0.9, mc.Case(H=16, tokens="T4", seed=561)),
+               (0.9, mc.Case(H=16, tokens="T8", seed=562)),
+               (0.9, mc.Case(H=16, tokens="T2", slots="ckpt", epilogue="none", seed=563)),
+               (0.9, mc.Case(H=16, tokens="T4", slots="final", pool="contiguous", seed=564)),
+               (1.9, mc.Case(H=16, tokens="T2", seed=565)), (1.9, mc.Case(H=16, tokens="T8", seed=566)),
+               (1.9, mc.Case(H=16, tokens="T4", slots="ckpt", epilogue="none", seed=567))]
 
 
-@pytest.mark.parametrize("case", STAGE_FIRST, ids=mc.case_id)
-def test_the_staging_first_build_computes_the_same_step(case):
+@pytest.mark.parametrize("share, case", STAGE_FIRST, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
+def test_the_staging_first_build_computes_the_same_step(share, case):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pairs = case.H * case.group
-    n = max(1, int(0.9 * sms / pairs))
-    assert sms / 2 < n * pairs <= sms  # inside the build's range of the launch rule
+    n = max(1, int(share * sms / pairs))
+    assert sms / 2 < n * pairs <= 2 * sms  # inside the build's range of the launch rule
+    assert (n * pairs <= sms) == (share < 1)  # a warp a chunk, or 8-warp blocks past the SMs
     mc.run_and_check(replace(case, N=n), DEVICE)
 
 
