@@ -121,7 +121,8 @@ __device__ __forceinline__ void raw_widen(const RawTile<VK, K, ST>& t,
 // issued over 1,330 cycles). After the loop, bf16, 16/32 heads, B=1-128 with 2-8 tokens: H200
 // 1.4-4.6% faster in 13 of 15 cells, level in the others (B=128 T=2 125.5 -> 121.6 µs, T=8 373 ->
 // 360); H100 2-4% faster at B=1, 1.6-2% slower at B=4 T=2 / T=4 and B=32 T=2, level elsewhere
-// (benchmarks/results-h200-mtp.md, results-h100-mtp.md).
+// (benchmarks/results-h200-mtp.md, results-h100-mtp.md). fp32 after the loop (ptxas spills 20
+// bytes a thread at sm_90a): H200 2% faster at B=1, 2-7% slower from B=4 (B=8 T=2 19.1 -> 20.2 µs).
 template <typename ST>
 __host__ __device__ constexpr bool late_epilogue_sums() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
@@ -469,7 +470,10 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
 // at most 16 an SM; past that, blocks of 8 or of 4 warps, by the rounds each grid takes
 // (stream_block_warps). fp32 requests of at most two tokens take at most kMtpShortWideWarps a block
 // even in small grids (a block's staging barrier stalls fewer warps; H100, 16/32 heads, B=4 T=2:
-// 14.3 -> 13.7 µs, 0.96x -> 1.00x vLLM's op; bf16 lost with it: benchmarks/results-h100-mtp.md).
+// 14.3 -> 13.7 µs, 0.96x -> 1.00x vLLM's op; bf16 lost with it: benchmarks/results-h100-mtp.md;
+// on an H200 16 warps there lose 3.6%, 12.55 -> 13.0 µs). Nor does a build in which every warp
+// stages the pass's tokens for itself, with no barrier before its token loop, gain: 3-10% slower
+// (H200, T=2, B=4-128, both states: benchmarks/results-h200-mtp.md).
 constexpr int kMtpShortWideWarps = 8;
 
 // Blocks of 8 warps (w8, each two chunks where the head has 16) or of 4 (w4, four chunks), bps8 and
@@ -520,7 +524,8 @@ constexpr int kMtpMaxClusterGroups = 8;
 // (vLLM's op 12.0 / 18.5 / 30.7). Past that it loses: B=32 T=4 +6.5%, B=128 T=4 +2.7%; and with
 // fp32 state +4-5% from T=4 at B=4-128 (B=4 T=2 -1%). One kernel with both orders lost 3-8% from
 // B=32 with 4 and more tokens (ptxas's allocation at the 128-register cap), so the order is a
-// separate build; row groups (B=1) did not gain.
+// separate build; row groups (B=1) did not gain. On an H100 the build gains at B=6 and 8 with every
+// token count: T=2 6%, T=4 2-3%, T=8 1.5-2% (benchmarks/results-h100-mtp.md).
 constexpr int kStreamStageFirstSmWarps = 32;
 template <bool VK, int K, typename ST>
 constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, float>;
