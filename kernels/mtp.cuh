@@ -17,6 +17,7 @@
 #include "mtp_one.cuh"
 #include "mtp_resident.cuh"
 #include "mtp_stream.cuh"
+#include "mtp_two.cuh"
 
 namespace cudelta {
 namespace {
@@ -25,6 +26,7 @@ template <bool VK, int K, typename ST>
 int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (VK && K == 128) {
     if (one_token_call(p)) return launch_vk_one<ST>(p, stream);
+    if (two_token_call<ST>(p)) return launch_vk_two<ST>(p, stream);
   }
   // More checkpoint columns than a pass stages: only the resident kernel carries the state across.
   // So too for a bf16 state with idx [N] where a request may have more tokens than a pass: the

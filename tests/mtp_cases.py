@@ -48,6 +48,10 @@ LOWEST = {"negative": 0, "nonpositive": 1}
 TOKEN_FORMS = ("single",) + tuple(f"T{t}" for t in range(1, 9)) + ("varlen",)
 VARLEN = (3, 0, 8, 1, 5, 2)
 PAD_TOKENS = 2
+# "varlen2" the same with at most two tokens a request (vLLM's call with one draft token, some
+# requests short or empty): the two-token kernel's form, not in TOKEN_FORMS (the matrix's pairs
+# stay as they are).
+VARLEN_COUNTS = {"varlen": VARLEN, "varlen2": (2, 0, 1, 2, 2, 1)}
 
 
 @dataclass(frozen=True)
@@ -135,9 +139,10 @@ class Snapshot:
 def token_lens(case: Case) -> list[int]:
     """Tokens per request. varlen: VARLEN's counts over the N requests in an order the seed picks (the
     total depends on N alone, so two seeds give calls of the same shapes)."""
-    if case.tokens == "varlen":
+    if case.tokens in VARLEN_COUNTS:
+        counts = VARLEN_COUNTS[case.tokens]
         gen = torch.Generator().manual_seed(case.seed)
-        return [VARLEN[i % len(VARLEN)] for i in torch.randperm(case.N, generator=gen).tolist()]
+        return [counts[i % len(counts)] for i in torch.randperm(case.N, generator=gen).tolist()]
     return [1 if case.tokens == "single" else int(case.tokens[1:])] * case.N
 
 
@@ -197,7 +202,7 @@ def build(case: Case, device) -> Step:
     case builds the same call on any device."""
     gen = torch.Generator().manual_seed(case.seed)
     lens = token_lens(case)
-    N, L = len(lens), sum(lens) + (PAD_TOKENS if case.tokens == "varlen" else 0)
+    N, L = len(lens), sum(lens) + (PAD_TOKENS if case.tokens in VARLEN_COUNTS else 0)
     H, HV, K, V = case.H, case.H * case.group, case.K, case.V
     io, kda = DTYPES[case.io], case.kind == "kda"
     # without the l2 norm, k of about unit length keeps beta k k^T a contraction over 8 tokens
@@ -225,7 +230,7 @@ def build(case: Case, device) -> Step:
     t["idx"] = idx.to(index)
     t["accepted"] = None if acc is None else acc.to(index)
     t["cu_seqlens"] = None
-    if case.tokens == "varlen":
+    if case.tokens in VARLEN_COUNTS:
         t["cu_seqlens"] = torch.tensor([0] + list(itertools.accumulate(lens))).to(index)
     elif case.tokens != "single":  # [N, T, ...]: the same tokens, request-major
         T = lens[0]

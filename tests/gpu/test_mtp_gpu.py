@@ -33,10 +33,10 @@ each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Ne
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8 and varying T (6). Beyond
 those: T = 1 with the epilogue only (12), vLLM's T = 1 call in every range of the one-token launch
 rule (16), the streaming kernel's row groups on small grids (5), its staging-first build (8), the
-epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
+two-token kernel in each range of its launch rule (8), the epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
 paddings and against a contiguous pool bit for bit (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
 tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-111 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
+119 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
 is most of the rest, a few seconds for the largest engine batch.
 """
 
@@ -178,6 +178,38 @@ def test_the_staging_first_build_computes_the_same_step(share, case):
     n = max(1, int(share * sms / pairs))
     assert sms / 2 < n * pairs <= 2 * sms  # inside the build's range of the launch rule
     assert (n * pairs <= sms) == (share < 1)  # a warp a chunk, or 8-warp blocks past the SMs
+    mc.run_and_check(replace(case, N=n), DEVICE)
+
+
+# The two-token kernel (kernels/mtp_two.cuh): vLLM's call with one draft token (idx [N, 2]), GDN,
+# layout vk, K = 128, in grids of at most two (request, value head) pairs an SM (8 rows a warp where
+# a bf16 state's pairs fit the SMs once: share 0.9; 16 past them: 1.9) and, with an fp32 state, in
+# waves of its blocks at least 90% full (3.9: two waves). N from this GPU's SM count; "varlen2":
+# cu_seqlens with requests of 0, 1 and 2 tokens.
+TWO_TOKENS = [(0.9, mc.Case(H=16, tokens="T2", seed=570)), (0.9, mc.Case(H=16, tokens="varlen2", seed=571)),
+              (1.9, mc.Case(H=16, tokens="T2", seed=572)),
+              (1.9, mc.Case(H=16, tokens="varlen2", epilogue="sigmoid", index="int64", rule="negative", seed=573)),
+              (0.9, mc.Case(H=16, tokens="T2", state="fp32", epilogue="none", pool="contiguous", seed=574)),
+              (1.9, mc.Case(H=16, tokens="varlen2", state="fp32", gates="pre", io="fp32", seed=575)),
+              (3.9, mc.Case(H=16, tokens="T2", state="fp32", seed=576)),
+              (3.9, mc.Case(H=16, tokens="T2", slots="ckpt", state="fp32", l2norm=False, seed=577))]
+
+
+def takes_the_two_token_kernel(pairs: int, sms: int, fp32: bool) -> bool:
+    """kernels/mtp_two.cuh's two_token_call for vLLM's call with one draft token."""
+    wave = 2 * sms
+    waves = -(-pairs // wave)
+    return pairs <= wave or (fp32 and pairs <= 128 * sms and pairs * 10 >= waves * wave * 9)
+
+
+@pytest.mark.parametrize("share, case", TWO_TOKENS, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
+def test_the_two_token_kernel_computes_the_same_step(share, case):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pairs = case.H * case.group
+    n = max(1, int(share * sms / pairs))
+    assert takes_the_two_token_kernel(n * pairs, sms, case.state == "fp32")
+    assert (n * pairs <= sms) == (share < 1) and (n * pairs > 2 * sms) == (share > 2)
+    assert max(mc.token_lens(replace(case, N=n))) == 2  # idx [N, 2]
     mc.run_and_check(replace(case, N=n), DEVICE)
 
 
