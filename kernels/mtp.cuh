@@ -1,9 +1,11 @@
 // Several tokens per request (speculative decoding), the state after each token stored to its
 // checkpoint slot, the gated RMSNorm epilogue, one token with the contract's slots: launch_mtp picks
-// one of three kernels. Each computes any call the rule gives it; the choice is speed only.
+// one of four kernels. Each computes any call the rule gives it; the choice is speed only.
 //   mtp_one.cuh       at most one token a request (layout vk, K = 128): warp_vk's step on the
 //                     contract's slots, the epilogue in the block, in clusters or as a
 //                     second launch
+//   mtp_two.cuh       idx [N, 2] (GDN, layout vk, K = 128) in small grids: each warp's rows straight
+//                     into registers with both tokens' inputs, no shared staging
 //   mtp_stream.cuh    up to kStreamTokens checkpoint columns: row chunks streamed through a
 //                     cp.async ring, the pass's tokens staged in shared memory
 //   mtp_resident.cuh  the head in fp32 registers: what a pass cannot hold (more checkpoint columns,
