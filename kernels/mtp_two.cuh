@@ -104,9 +104,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
     }
     const float decay = decay_of(p, d_bits[t], a_log_bits), beta = beta_of(p, beta_bits[t]);
     const QkScales sc = lane_qk_scales<1, LPR>(p, qv, kv);
-    // Row sums of the undecayed rows (the head's decay and k's scale applied to the sums), pairs
-    // (j, j + NP/2) folded at once into the butterfly's first level, as warp_step.
-    constexpr int H0 = NP / 2;
+    // Row sums of the undecayed rows (the head's decay and k's scale applied to the sums).
     auto partial = [&](int j, float& pk, float& pq) {
       pk = 0.f;
       pq = 0.f;
@@ -119,23 +117,10 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
         }
       }
     };
-    float ak[H0], aq[H0];
-    {
-      const bool hi = (lane & (LPR / 2)) != 0;
-#pragma unroll
-      for (int i = 0; i < H0; ++i) {
-        float k0, q0, k1, q1;
-        partial(i, k0, q0);
-        partial(i + H0, k1, q1);
-        const float sk = hi ? k0 : k1, kk = hi ? k1 : k0;
-        const float sq = hi ? q0 : q1, kq = hi ? q1 : q0;
-        ak[i] = kk + __shfl_xor_sync(0xffffffffu, sk, LPR / 2);
-        aq[i] = kq + __shfl_xor_sync(0xffffffffu, sq, LPR / 2);
-      }
-    }
-    butterfly<H0, LPR / 4>(ak, aq, lane);
-    const float u_mine = beta * (widen_bits(v_bits[t], p.dtype) - ak[0] * (decay * sc.k));
-    const float o_row = aq[0] * (decay * sc.q) + u_mine * sc.qk;
+    float pk, pq;
+    tile_row_sums<NP, LPR>(partial, lane, pk, pq);
+    const float u_mine = beta * (widen_bits(v_bits[t], p.dtype) - pk * (decay * sc.k));
+    const float o_row = pq * (decay * sc.q) + u_mine * sc.qk;
     if (epilogue) {
       const float o_out = rounded(o_row, p.dtype);
       if (l % F == 0) s_o[t][row0 + my_row] = o_out;

@@ -63,6 +63,30 @@ struct TileEpilogue {
   float sumsq;
 };
 
+// The two row dot-products of a warp's tile (h^T k, h^T q) across the LPR lanes of each row:
+// partial(j, pk, pq) gives this lane's share of row j's; pairs (j, j + NP/2) are folded at once into
+// the butterfly's first level, so only NP/2 accumulators per product are ever live beside the tile.
+// Each lane ends with the sums of row r + RPP * (l / F) of its group (l = lane % LPR).
+template <int NP, int LPR, typename Partial>
+__device__ __forceinline__ void tile_row_sums(const Partial& partial, int lane, float& pk, float& pq) {
+  constexpr int H0 = NP / 2;
+  float ak[H0], aq[H0];
+  const bool hi = (lane & (LPR / 2)) != 0;
+#pragma unroll
+  for (int i = 0; i < H0; ++i) {
+    float k0, q0, k1, q1;
+    partial(i, k0, q0);
+    partial(i + H0, k1, q1);
+    const float sk = hi ? k0 : k1, kk = hi ? k1 : k0;
+    const float sq = hi ? q0 : q1, kq = hi ? q1 : q0;
+    ak[i] = kk + __shfl_xor_sync(0xffffffffu, sk, LPR / 2);
+    aq[i] = kq + __shfl_xor_sync(0xffffffffu, sq, LPR / 2);
+  }
+  butterfly<H0, LPR / 4>(ak, aq, lane);
+  pk = ak[0];
+  pq = aq[0];
+}
+
 // The step of one tile group: the inputs of token row `n` (a request, or with several tokens a token
 // row), the state read from slot `src` and written to slot `dst` (DST_CHECK: not written where dst
 // is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer.
@@ -150,9 +174,7 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
   }
   const float sum_decay = PER_CHANNEL ? 1.f : decay[0];
 
-  // Per tile: row partial sums, pairs (j, j + NP/2) folded at once into the butterfly's first
-  // level, so only NP/2 accumulators per product are ever live beside the tiles.
-  constexpr int H0 = NP / 2;
+  // Per tile: the row partial sums, reduced by tile_row_sums.
 #pragma unroll
   for (int t = 0; t < TPW; ++t) {
     auto partial = [&](int j, float& pk, float& pq) {
@@ -169,23 +191,10 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
         }
       }
     };
-    float ak[H0], aq[H0];
-    {
-      const bool hi = (lane & (LPR / 2)) != 0;
-#pragma unroll
-      for (int i = 0; i < H0; ++i) {
-        float k0, q0, k1, q1;
-        partial(i, k0, q0);
-        partial(i + H0, k1, q1);
-        const float sk = hi ? k0 : k1, kk = hi ? k1 : k0;
-        const float sq = hi ? q0 : q1, kq = hi ? q1 : q0;
-        ak[i] = kk + __shfl_xor_sync(0xffffffffu, sk, LPR / 2);
-        aq[i] = kq + __shfl_xor_sync(0xffffffffu, sq, LPR / 2);
-      }
-    }
-    butterfly<H0, LPR / 4>(ak, aq, lane);
-    const float u_mine = beta * (vv[t] - ak[0] * (sum_decay * sc.k));
-    const float o_row = aq[0] * (sum_decay * sc.q) + u_mine * sc.qk;
+    float pk, pq;
+    tile_row_sums<NP, LPR>(partial, lane, pk, pq);
+    const float u_mine = beta * (vv[t] - pk * (sum_decay * sc.k));
+    const float o_row = pq * (sum_decay * sc.q) + u_mine * sc.qk;
     if constexpr (EPI) {
       const float o_out = rounded(o_row, p.dtype);
       if (l % F == 0) epi->o[row0 + t * BW + my_row] = o_out;
