@@ -4,8 +4,9 @@
 //   mtp_one.cuh       at most one token a request (layout vk, K = 128): warp_vk's step on the
 //                     contract's slots, the epilogue in the block, in clusters or as a
 //                     second launch
-//   mtp_two.cuh       idx [N, 2] (GDN, layout vk, K = 128) in small grids: each warp's rows straight
-//                     into registers with both tokens' inputs, no shared staging
+//   mtp_few.cuh       idx [N, 2], and [N, 3..4] with fp32 state (GDN, layout vk, K = 128), in small
+//                     grids: each warp's rows straight into registers with its tokens' inputs, no
+//                     shared staging
 //   mtp_stream.cuh    up to kStreamTokens checkpoint columns: row chunks streamed through a
 //                     cp.async ring, the pass's tokens staged in shared memory
 //   mtp_resident.cuh  the head in fp32 registers: what a pass cannot hold (more checkpoint columns,
@@ -19,7 +20,7 @@
 #include "mtp_one.cuh"
 #include "mtp_resident.cuh"
 #include "mtp_stream.cuh"
-#include "mtp_two.cuh"
+#include "mtp_few.cuh"
 
 namespace cudelta {
 namespace {
@@ -28,7 +29,7 @@ template <bool VK, int K, typename ST>
 int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (VK && K == 128) {
     if (one_token_call(p)) return launch_vk_one<ST>(p, stream);
-    if (two_token_call<ST>(p)) return launch_vk_two<ST>(p, stream);
+    if (few_token_call<ST>(p)) return launch_vk_few<ST>(p, stream);
   }
   // More checkpoint columns than a pass stages: only the resident kernel carries the state across.
   // So too for a bf16 state with idx [N] where a request may have more tokens than a pass: the

@@ -48,10 +48,10 @@ LOWEST = {"negative": 0, "nonpositive": 1}
 TOKEN_FORMS = ("single",) + tuple(f"T{t}" for t in range(1, 9)) + ("varlen",)
 VARLEN = (3, 0, 8, 1, 5, 2)
 PAD_TOKENS = 2
-# "varlen2" the same with at most two tokens a request (vLLM's call with one draft token, some
-# requests short or empty): the two-token kernel's form, not in TOKEN_FORMS (the matrix's pairs
-# stay as they are).
-VARLEN_COUNTS = {"varlen": VARLEN, "varlen2": (2, 0, 1, 2, 2, 1)}
+# "varlen2" and "varlen4" the same with at most two or four tokens a request (vLLM's call with one
+# or three draft tokens, some requests short or empty): the few-token kernel's forms, not in
+# TOKEN_FORMS (the matrix's pairs stay as they are).
+VARLEN_COUNTS = {"varlen": VARLEN, "varlen2": (2, 0, 1, 2, 2, 1), "varlen4": (4, 0, 3, 1, 4, 2)}
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Ne
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8 and varying T (6). Beyond
 those: T = 1 with the epilogue only (12), vLLM's T = 1 call in every range of the one-token launch
 rule (16), the streaming kernel's row groups on small grids (5), its staging-first build (8), the
-two-token kernel in each range of its launch rule (8), the epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
+few-token kernel in each range of its launch rule (12), the epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
 paddings and against a contiguous pool bit for bit (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
 tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
 119 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
@@ -181,35 +181,44 @@ def test_the_staging_first_build_computes_the_same_step(share, case):
     mc.run_and_check(replace(case, N=n), DEVICE)
 
 
-# The two-token kernel (kernels/mtp_two.cuh): vLLM's call with one draft token (idx [N, 2]), GDN,
-# layout vk, K = 128, in grids of at most two (request, value head) pairs an SM (8 rows a warp where
-# a bf16 state's pairs fit the SMs once: share 0.9; 16 past them: 1.9) and, with an fp32 state, in
-# waves of its blocks at least 90% full (3.9: two waves). N from this GPU's SM count; "varlen2":
-# cu_seqlens with requests of 0, 1 and 2 tokens.
-TWO_TOKENS = [(0.9, mc.Case(H=16, tokens="T2", seed=570)), (0.9, mc.Case(H=16, tokens="varlen2", seed=571)),
+# The few-token kernel (kernels/mtp_few.cuh): GDN, layout vk, K = 128. vLLM's call with one draft
+# token (idx [N, 2]) in grids of at most two (request, value head) pairs an SM (8 rows a warp where a
+# bf16 state's pairs fit the SMs once: share 0.9; 16 past them: 1.9) and, with an fp32 state, in
+# waves of its blocks at least 90% full (3.9: two waves); with an fp32 state also idx [N, 3] and
+# [N, 4] from 90% of the SMs (0.98) in the same waves. N from this GPU's SM count; "varlen2" and
+# "varlen4": cu_seqlens with requests of 0-2 and 0-4 tokens; C=T+1: three tokens, four columns.
+FEW_TOKENS = [(0.9, mc.Case(H=16, tokens="T2", seed=570)), (0.9, mc.Case(H=16, tokens="varlen2", seed=571)),
               (1.9, mc.Case(H=16, tokens="T2", seed=572)),
               (1.9, mc.Case(H=16, tokens="varlen2", epilogue="sigmoid", index="int64", rule="negative", seed=573)),
               (0.9, mc.Case(H=16, tokens="T2", state="fp32", epilogue="none", pool="contiguous", seed=574)),
               (1.9, mc.Case(H=16, tokens="varlen2", state="fp32", gates="pre", io="fp32", seed=575)),
               (3.9, mc.Case(H=16, tokens="T2", state="fp32", seed=576)),
-              (3.9, mc.Case(H=16, tokens="T2", slots="ckpt", state="fp32", l2norm=False, seed=577))]
+              (3.9, mc.Case(H=16, tokens="T2", slots="ckpt", state="fp32", l2norm=False, seed=577)),
+              (0.98, mc.Case(H=4, tokens="T4", state="fp32", seed=578)),
+              (0.98, mc.Case(H=4, tokens="T4", slots="ckpt", state="fp32", epilogue="none", pool="contiguous", seed=579)),
+              (1.9, mc.Case(H=16, tokens="T3", columns="T+1", state="fp32", epilogue="sigmoid", rule="negative", seed=580)),
+              (3.9, mc.Case(H=16, tokens="varlen4", state="fp32", gates="pre", index="int64", seed=581))]
 
 
-def takes_the_two_token_kernel(pairs: int, sms: int, fp32: bool) -> bool:
-    """kernels/mtp_two.cuh's two_token_call for vLLM's call with one draft token."""
+def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -> bool:
+    """kernels/mtp_few.cuh's few_token_call for vLLM's call with idx [N, columns]."""
     wave = 2 * sms
-    waves = -(-pairs // wave)
-    return pairs <= wave or (fp32 and pairs <= 128 * sms and pairs * 10 >= waves * wave * 9)
+    full_waves = pairs <= wave or pairs * 10 >= -(-pairs // wave) * wave * 9
+    if columns > 2:
+        return fp32 and columns <= 4 and pairs * 10 >= sms * 9 and pairs <= 32 * sms and full_waves
+    return columns == 2 and (pairs <= wave or (fp32 and pairs <= 128 * sms and full_waves))
 
 
-@pytest.mark.parametrize("share, case", TWO_TOKENS, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
-def test_the_two_token_kernel_computes_the_same_step(share, case):
+@pytest.mark.parametrize("share, case", FEW_TOKENS, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
+def test_the_few_token_kernel_computes_the_same_step(share, case):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pairs = case.H * case.group
     n = max(1, int(share * sms / pairs))
-    assert takes_the_two_token_kernel(n * pairs, sms, case.state == "fp32")
+    lens = mc.token_lens(replace(case, N=n))
+    columns = max(lens) + (1 if case.columns == "T+1" else 0)
+    assert columns in (2, 4)  # idx [N, 2] or [N, 4]
+    assert takes_the_few_token_kernel(n * pairs, sms, case.state == "fp32", columns)
     assert (n * pairs <= sms) == (share < 1) and (n * pairs > 2 * sms) == (share > 2)
-    assert max(mc.token_lens(replace(case, N=n))) == 2  # idx [N, 2]
     mc.run_and_check(replace(case, N=n), DEVICE)
 
 

@@ -1,0 +1,250 @@
+// The few-token kernel of the multi-token contract: vLLM's MTP call with one draft token (idx
+// [N, 2]), and with fp32 state up to three (idx [N, 3..4]), GDN, layout vk, K = 128: each warp's rows
+// of the state loaded straight into registers with its tokens' inputs, no shared staging.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "mtp_common.cuh"
+#include "mtp_one.cuh"
+#include "warp_vk.cuh"
+
+namespace cudelta {
+namespace {
+
+// Rows a warp of the few-token kernel (launch_vk_few: 8 in some small grids).
+constexpr int kFewRows = 16;
+
+// A block of V / BW warps a (request, value head), as decode_vk_one_kernel: a warp loads its BW rows
+// of the starting slot and the inputs of its first tokens at once, carries the rows in fp32 from
+// token to token (a bf16 state is rounded only where it is stored), stores them at each token's
+// checkpoint slot and keeps its outputs in shared memory; the block meets once, for the epilogue's
+// mean over V. TT: the idx columns it takes (a request has at most that many tokens). Two tokens'
+// inputs are all loaded at the start; with four, token t + 1's go out as token t is computed (all
+// four at once spilled, 8-308 bytes at sm_90a). The epilogue's sums of squares go to shared memory a
+// token at a time, except in the build of two tokens and 16 rows a warp, which keeps them in
+// registers to the end (H200, 16/32 heads, T = 2, in the loop: bf16 8-row blocks 3% faster at B=1-4,
+// fp32 16-row ones 1-1.5% slower from B=16; benchmarks/results-h200-mtp.md).
+template <int K, typename ST, int BW, int TT>
+__global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
+  using C = Chunk<ST>;
+  using Raw = typename C::Raw;
+  using Sh = WarpShape<K, ST, BW>;
+  constexpr int E = Sh::E, KC = Sh::KC, LPR = Sh::LPR, CPL = Sh::CPL, RPP = Sh::RPP, NP = Sh::NP, F = Sh::F;
+  constexpr int D = TT <= 2 ? TT : 1;
+  constexpr bool kLoopSums = BW < 16 || TT > 2;
+  __shared__ float s_o[TT][kMaxOneRows], s_z[TT > 2 ? TT : 1][TT > 2 ? kMaxOneRows : 1];
+  __shared__ float s_sumsq[TT][16];
+  pdl_enter();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int l = lane % LPR, r = lane / LPR;
+  const int64_t n = block_request(p), hv = block_head(p);
+  const int V = static_cast<int>(p.V);
+  auto zero_rows = [&](int64_t first, int64_t end) {
+    for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
+      store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
+  };
+  int64_t bos, len, start;
+  if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  const int64_t h = qk_head(p, static_cast<uint32_t>(hv));
+  const int row0 = warp * BW;
+  const int64_t head = (hv * p.V + row0) * int64_t(K);
+  ST* const pool = static_cast<ST*>(p.state);
+
+  // The tile first, then the first D tokens' inputs and checkpoint slots (a token past the request's
+  // end loads its first token's and is not computed), the epilogue's z and w: all in flight together.
+  const Raw* S = reinterpret_cast<const Raw*>(pool + start * p.state_stride_p + head);
+  Raw s[NP][CPL];
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) s[j][i] = state_load<true>(S + (r + RPP * j) * KC + i * LPR + l);
+  }
+  const int my_j = l / F, my_row = r + RPP * my_j;
+  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
+  struct Inputs {
+    uint32_t v, beta, z;
+    RunBits<E> q[CPL], k[CPL];
+    DecayBits d;
+    int64_t dst;
+  };
+  Inputs in[D];
+  auto load_inputs = [&](int t, Inputs& b) {
+    const int64_t tok = bos + (t < len ? t : 0);
+    b.v = load_bits(p.v, p.dtype, tok * p.v_stride_n + hv * p.v_stride_h + row0 + my_row);
+    const int64_t qo = tok * p.q_stride_n + h * p.q_stride_h, ko = tok * p.k_stride_n + h * p.k_stride_h;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      b.q[i] = load_run_bits<E>(p.q, p.dtype, qo + E * (i * LPR + l), p.qk_aligned);
+      b.k[i] = load_run_bits<E>(p.k, p.dtype, ko + E * (i * LPR + l), p.qk_aligned);
+    }
+    b.d = load_decay_bits(p, tok, hv, -1);
+    b.beta = load_beta_bits(p, tok, hv);
+    b.dst = load_index(p.idx, p.idx_is_int64, n * p.idx_columns + t);
+  };
+  // z apart, after the unconditional loads: a load under a condition in their midst split them
+  // (H100 and H200, bf16 B=8 T=2: 2-3% slower).
+  auto load_z = [&](int t, Inputs& b) {
+    b.z = epilogue && mine && t < len ? load_bits(p.z, p.z_dtype, (bos + t) * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
+  };
+#pragma unroll
+  for (int t = 0; t < D; ++t) load_inputs(t, in[t]);
+#pragma unroll
+  for (int t = 0; t < D; ++t) load_z(t, in[t]);
+  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
+  const uint32_t a_log_bits = load_a_log_bits(p, hv);
+
+  float x[NP][CPL * E];
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) C::widen(s[j][i], &x[j][i * E]);
+  }
+  uint32_t z_bits[TT <= 2 ? TT : 1];
+  float ss[kLoopSums ? 1 : TT] = {};
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (t >= len) break;
+    Inputs& b = in[t % D];
+    float qv[CPL][E], kv[CPL][E];
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      widen_run<E>(b.q[i], p.dtype, p.qk_aligned, qv[i]);
+      widen_run<E>(b.k[i], p.dtype, p.qk_aligned, kv[i]);
+    }
+    const float decay = decay_of(p, b.d, a_log_bits), beta = beta_of(p, b.beta);
+    const float v_t = widen_bits(b.v, p.dtype);
+    const int64_t dst = b.dst;
+    if constexpr (TT <= 2) z_bits[t] = b.z;
+    else if (epilogue && mine) s_z[t][threadIdx.x] = widen_bits(b.z, p.z_dtype);
+    // The slot of the ring is free: token t + D's inputs go out before this token's chain.
+    if (t + D < TT && t + D < len) {
+      load_inputs(t + D, b);
+      load_z(t + D, b);
+    }
+    const QkScales sc = lane_qk_scales<1, LPR>(p, qv, kv);
+    // Row sums of the undecayed rows (the head's decay and k's scale applied to the sums).
+    auto partial = [&](int j, float& pk, float& pq) {
+      pk = 0.f;
+      pq = 0.f;
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+        for (int m = 0; m < E; ++m) {
+          pk += x[j][i * E + m] * kv[i][m];
+          pq += x[j][i * E + m] * qv[i][m];
+        }
+      }
+    };
+    float pk, pq;
+    tile_row_sums<NP, LPR>(partial, lane, pk, pq);
+    const float u_mine = beta * (v_t - pk * (decay * sc.k));
+    const float o_row = pq * (decay * sc.q) + u_mine * sc.qk;
+    if (epilogue) {
+      const float o_out = rounded(o_row, p.dtype);
+      if (l % F == 0) s_o[t][row0 + my_row] = o_out;
+      const float sumsq = warp_sum(l % F == 0 ? o_out * o_out : 0.f);
+      if constexpr (kLoopSums) {
+        if (lane == 0) s_sumsq[t][warp] = sumsq;
+      } else {
+        ss[t] = sumsq;
+      }
+    } else if (l % F == 0) {
+      store_f(p.out, p.dtype, (bos + t) * p.out_stride_n + hv * p.out_stride_h + row0 + my_row, o_row);
+    }
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+      const float us = sc.k * __shfl_sync(0xffffffffu, u_mine, r * LPR + j * F);
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+        for (int m = 0; m < E; ++m) x[j][i * E + m] = x[j][i * E + m] * decay + kv[i][m] * us;
+      }
+    }
+    if (slot_valid(p, dst)) {
+      Raw* Dp = reinterpret_cast<Raw*>(pool + dst * p.state_stride_p + head);
+#pragma unroll
+      for (int j = 0; j < NP; ++j) {
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) state_store<true>(Dp + (r + RPP * j) * KC + i * LPR + l, C::narrow(&x[j][i * E]));
+      }
+    }
+  }
+  if (!epilogue) return;
+  if constexpr (!kLoopSums) {
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < TT; ++t) s_sumsq[t][warp] = ss[t];
+    }
+  }
+  __syncthreads();
+  if (!mine) return;
+  const float w = widen_bits(w_bits, p.norm_weight_dtype);
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (t >= len) break;
+    float total = 0.f;
+    for (int i = 0; i < warps; ++i) total += s_sumsq[t][i];
+    float z;
+    if constexpr (TT <= 2) z = widen_bits(z_bits[t], p.z_dtype);
+    else z = s_z[t][threadIdx.x];
+    store_f(p.out, p.dtype, (bos + t) * p.out_stride_n + hv * p.out_stride_h + threadIdx.x,
+            gated_rms_norm(p, s_o[t][threadIdx.x], total, w, z));
+  }
+}
+
+// Where a call takes the few-token kernel: GDN, layout vk, K = 128, V whole tiles of 16 rows, at
+// most kMaxOneRows, and
+//   idx [N, 2] (at most two tokens a request): with a bf16 state in grids of at most 2 (request,
+//     value head) pairs an SM; with fp32 in one wave of its 8-warp blocks (two an SM) or in waves
+//     that fill at least 90% of the last, up to kFewMaxPairsPerSm pairs an SM;
+//   idx [N, 3..4], fp32 state: the same waves, from 90% of the SMs (a pair an SM) up to
+//     kFewMaxPairsPerSm4 pairs an SM.
+// Elsewhere the streaming kernel. H200, 16/32 heads (benchmarks/results-h200-mtp.md), µs, streaming
+// -> this kernel: T = 2 bf16 B=1 / 4 / 8 7.95 / 9.4 / 12.25 -> 7.4 / 8.45 / 11.8 (vLLM's op 8.65 /
+// 9.25 / 12.2), but past two pairs an SM slower: B=12 / 16 / 32 16.7 / 19.85 / 35.65 -> 19.1 / 20.75
+// / 37.7; fp32 B=4 / 8 / 32 / 128 12.6 / 19.2 / 64.05 / 225.25 -> 11.1 / 17.1 / 58.05 / 215 (vLLM's
+// op 12.0 / 18.7 / 61.3 / 225.3), B=12 (384 blocks: 1.45 waves) 25.75 -> 26.55. T = 4 fp32 B=4 / 8 /
+// 16 / 32 / 128 17.3 / 28.05 / 50.7 / 97.45 / 362.15 -> 17.0 / 26.1 / 48.1 / 93.9 / 359.5, but B=1 /
+// 2 (the head's tokens one after another on fewer SMs than the streaming kernel's row groups use)
+// 10.9 / 11.9 -> 15.0 / 15.05; bf16 slower at every batch (B=4 / 8 / 128 11.6 / 17.25 / 193.4 ->
+// 12.3 / 18.55 / 240.7), T = 8 at all but fp32 B=8.
+constexpr int kFewMaxPairsPerSm = 128;
+constexpr int kFewMaxPairsPerSm4 = 32;
+template <typename ST>
+bool few_token_call(const GdnDecodeParams& p) {
+  constexpr bool fp32 = std::is_same_v<ST, float>;
+  if (p.idx_columns < 2 || p.idx_columns > (fp32 ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
+      p.V % 16 != 0 || p.V > kMaxOneRows)
+    return false;
+  const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132, wave = 2 * sms;
+  const int64_t waves = (pairs + wave - 1) / wave;
+  const bool full_waves = pairs <= wave || pairs * 10 >= waves * wave * 9;
+  if (p.idx_columns > 2) return pairs * 10 >= sms * 9 && pairs <= kFewMaxPairsPerSm4 * sms && full_waves;
+  return pairs <= wave || (fp32 && pairs <= kFewMaxPairsPerSm * sms && full_waves);
+}
+
+template <typename ST, int BW, int TT>
+int launch_vk_few_rows(const GdnDecodeParams& p, cudaStream_t stream) {
+  return launch_decode(decode_vk_few_kernel<128, ST, BW, TT>, request_head_grid(p), dim3(static_cast<unsigned>(p.V / BW) * 32),
+                       p, stream);
+}
+
+// Rows a warp: 8 (a block of 16 warps a head, one an SM) where a bf16 state's pairs fit the SMs
+// once, 16 (8-warp blocks, two an SM) elsewhere. H200, 16/32 heads, T = 2, 8 -> 16 rows, µs: bf16
+// B=1 / 4 7.4 / 8.45 -> 8.0 / 9.0, B=8 14.45 -> 11.8; fp32 B=1 / 4 8.35 / 11.15 -> 8.45 / 11.1.
+template <typename ST>
+int launch_vk_few(const GdnDecodeParams& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<ST, float>) {
+    if (p.idx_columns > 2) return launch_vk_few_rows<ST, kFewRows, 4>(p, stream);
+  } else {
+    if (p.N * p.HV <= (p.sm_count > 0 ? p.sm_count : 132)) return launch_vk_few_rows<ST, 8, 2>(p, stream);
+  }
+  return launch_vk_few_rows<ST, kFewRows, 2>(p, stream);
+}
+
+}  // namespace
+}  // namespace cudelta
