@@ -26,8 +26,8 @@ constexpr int kFewRows = 16;
 // inputs are all loaded at the start; with four, token t + 1's go out as token t is computed (all
 // four at once spilled, 8-308 bytes at sm_90a). The epilogue's sums of squares go to shared memory a
 // token at a time, except in the build of two tokens and 16 rows a warp, which keeps them in
-// registers to the end (H200, 16/32 heads, T = 2, in the loop: bf16 8-row blocks 3% faster at B=1-4,
-// fp32 16-row ones 1-1.5% slower from B=16; benchmarks/results-h200-mtp.md).
+// registers to the end, as before four tokens (in the loop it was 1-1.5% slower from B=16, fp32,
+// H200; benchmarks/results-h200-mtp.md).
 template <int K, typename ST, int BW, int TT>
 __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
   using C = Chunk<ST>;
@@ -207,11 +207,12 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 // -> this kernel: T = 2 bf16 B=1 / 4 / 8 7.95 / 9.4 / 12.25 -> 7.4 / 8.45 / 11.8 (vLLM's op 8.65 /
 // 9.25 / 12.2), but past two pairs an SM slower: B=12 / 16 / 32 16.7 / 19.85 / 35.65 -> 19.1 / 20.75
 // / 37.7; fp32 B=4 / 8 / 32 / 128 12.6 / 19.2 / 64.05 / 225.25 -> 11.1 / 17.1 / 58.05 / 215 (vLLM's
-// op 12.0 / 18.7 / 61.3 / 225.3), B=12 (384 blocks: 1.45 waves) 25.75 -> 26.55. T = 4 fp32 B=4 / 8 /
-// 16 / 32 / 128 17.3 / 28.05 / 50.7 / 97.45 / 362.15 -> 17.0 / 26.1 / 48.1 / 93.9 / 359.5, but B=1 /
-// 2 (the head's tokens one after another on fewer SMs than the streaming kernel's row groups use)
-// 10.9 / 11.9 -> 15.0 / 15.05; bf16 slower at every batch (B=4 / 8 / 128 11.6 / 17.25 / 193.4 ->
-// 12.3 / 18.55 / 240.7), T = 8 at all but fp32 B=8.
+// op 12.0 / 18.7 / 61.3 / 225.3), B=12 (384 blocks: 1.45 waves) 25.75 -> 26.55. fp32 T = 3 / 4 B=4
+// 15.35 / 17.6 -> 14.5 / 17.1, B=8 24.25 / 28.35 -> 22.2 / 26.2, B=32 81.15 / 98.45 -> 76.3 / 94.3,
+// B=128 295.3 / 367.3 -> 290.35 / 364.2 (vLLM's op 14.95 / 17.6, 24.3 / 29.3, 81.9 / 102.55, 303.9
+// / 383.5), but T = 4 B=1 / 2 (each token's inputs a round trip, on fewer SMs than the streaming
+// kernel's row groups use) 10.9 / 11.9 -> 15.0 / 15.05; bf16 T = 4 slower at every batch (B=4 / 8
+// / 128 11.6 / 17.25 / 193.4 -> 12.3 / 18.55 / 240.7), T = 8 at all but fp32 B=8.
 constexpr int kFewMaxPairsPerSm = 128;
 constexpr int kFewMaxPairsPerSm4 = 32;
 template <typename ST>
