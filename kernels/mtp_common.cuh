@@ -203,6 +203,18 @@ __device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n
 __device__ __forceinline__ int64_t block_request(const GdnDecodeParams& p) { return blockIdx.x / static_cast<uint32_t>(p.HV); }
 __device__ __forceinline__ int64_t block_head(const GdnDecodeParams& p) { return blockIdx.x % static_cast<uint32_t>(p.HV); }
 
+// request_span for a block that holds all V rows of its (request, value head): its threads share
+// the rows to zero (the one-token block kernel, the few-token kernel).
+__device__ __forceinline__ bool head_request_span(const GdnDecodeParams& p, int64_t n, int64_t hv, int64_t& bos,
+                                                  int64_t& len, int64_t& start) {
+  const int V = static_cast<int>(p.V);
+  auto zero_rows = [&](int64_t first, int64_t end) {
+    for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
+      store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
+  };
+  return request_span(p, n, zero_rows, bos, len, start);
+}
+
 // The grid's blocks along the requests: one a request, and with cu_seqlens one more, which zeroes
 // the rows after cu_seqlens[N] (request_span).
 inline unsigned request_blocks(const GdnDecodeParams& p) {

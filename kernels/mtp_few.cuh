@@ -43,12 +43,8 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
   const int l = lane % LPR, r = lane / LPR;
   const int64_t n = block_request(p), hv = block_head(p);
   const int V = static_cast<int>(p.V);
-  auto zero_rows = [&](int64_t first, int64_t end) {
-    for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
-      store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
-  };
   int64_t bos, len, start;
-  if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  if (!head_request_span(p, n, hv, bos, len, start)) return;
   const int64_t h = qk_head(p, static_cast<uint32_t>(hv));
   const int row0 = warp * BW;
   const int64_t head = (hv * p.V + row0) * int64_t(K);

@@ -49,12 +49,8 @@ __global__ void __launch_bounds__(512, (one_kernel_min_blocks<ST, BW>())) decode
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t n = block_request(p), hv = block_head(p);
   const int V = static_cast<int>(p.V);
-  auto zero_rows = [&](int64_t first, int64_t end) {
-    for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
-      store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
-  };
   int64_t bos, len, start;
-  if (!request_span(p, n, zero_rows, bos, len, start)) return;
+  if (!head_request_span(p, n, hv, bos, len, start)) return;
   // The epilogue's z and w of this thread's output (blockDim >= V: BW <= 32 rows a warp).
   const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
   const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
