@@ -26,8 +26,8 @@ constexpr int kFewRows = 16;
 // inputs are all loaded at the start; with four, token t + 1's go out as token t is computed (all
 // four at once spilled, 8-308 bytes at sm_90a). The epilogue's sums of squares go to shared memory a
 // token at a time, except in the build of two tokens and 16 rows a warp, which keeps them in
-// registers to the end, as before four tokens (in the loop it was 1-1.5% slower from B=16, fp32,
-// H200; benchmarks/results-h200-mtp.md).
+// registers to the end (in the loop that build was 1-1.5% slower from B=16 with fp32 state, H200;
+// benchmarks/results-h200-mtp.md).
 template <int K, typename ST, int BW, int TT>
 __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
   using C = Chunk<ST>;

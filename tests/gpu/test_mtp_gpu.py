@@ -36,7 +36,7 @@ rule (16), the streaming kernel's row groups on small grids (5), its staging-fir
 few-token kernel in each range of its launch rule (12), the epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
 paddings and against a contiguous pool bit for bit (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
 tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-119 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
+123 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
 is most of the rest, a few seconds for the largest engine batch.
 """
 
