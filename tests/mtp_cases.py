@@ -54,6 +54,17 @@ PAD_TOKENS = 2
 VARLEN_COUNTS = {"varlen": VARLEN, "varlen2": (2, 0, 1, 2, 2, 1), "varlen4": (4, 0, 3, 1, 4, 2)}
 
 
+
+def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -> bool:
+    """kernels/mtp_few.cuh's few_token_call for vLLM's call (GDN, layout vk, K = V = 128) with idx
+    [N, columns] and `pairs` (request, value head) pairs on `sms` SMs: which kernel a GPU test's
+    case reaches (tests/unit/test_few_token_rule.py holds this to the C++)."""
+    wave = 2 * sms
+    full_waves = pairs <= wave or pairs * 10 >= -(-pairs // wave) * wave * 9
+    if columns > 2:
+        return fp32 and columns <= 4 and pairs * 10 >= sms * 9 and pairs <= 32 * sms and full_waves
+    return columns == 2 and (pairs <= wave or (fp32 and pairs <= 128 * sms and full_waves))
+
 @dataclass(frozen=True)
 class Case:
     """One call's options (defaults: what vLLM's MTP step passes)."""

@@ -200,15 +200,6 @@ FEW_TOKENS = [(0.9, mc.Case(H=16, tokens="T2", seed=570)), (0.9, mc.Case(H=16, t
               (3.9, mc.Case(H=16, tokens="varlen4", state="fp32", gates="pre", index="int64", seed=581))]
 
 
-def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -> bool:
-    """kernels/mtp_few.cuh's few_token_call for vLLM's call with idx [N, columns]."""
-    wave = 2 * sms
-    full_waves = pairs <= wave or pairs * 10 >= -(-pairs // wave) * wave * 9
-    if columns > 2:
-        return fp32 and columns <= 4 and pairs * 10 >= sms * 9 and pairs <= 32 * sms and full_waves
-    return columns == 2 and (pairs <= wave or (fp32 and pairs <= 128 * sms and full_waves))
-
-
 @pytest.mark.parametrize("share, case", FEW_TOKENS, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
 def test_the_few_token_kernel_computes_the_same_step(share, case):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -217,7 +208,7 @@ def test_the_few_token_kernel_computes_the_same_step(share, case):
     lens = mc.token_lens(replace(case, N=n))
     columns = max(lens) + (1 if case.columns == "T+1" else 0)
     assert columns in (2, 4)  # idx [N, 2] or [N, 4]
-    assert takes_the_few_token_kernel(n * pairs, sms, case.state == "fp32", columns)
+    assert mc.takes_the_few_token_kernel(n * pairs, sms, case.state == "fp32", columns)
     assert (n * pairs <= sms) == (share < 1) and (n * pairs > 2 * sms) == (share > 2)
     mc.run_and_check(replace(case, N=n), DEVICE)
 

@@ -1,0 +1,52 @@
+"""The GPU tests of the few-token kernel pick their batches from a Python copy of its launch rule
+(mtp_cases.takes_the_few_token_kernel): were the two to drift apart, those tests would run another
+kernel and still pass. Here the rule itself (kernels/mtp_few.cuh, few_token_call), compiled into a
+host program, answers for every batch of a grid of calls and the copy must give the same answers."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from installer.core import shipped
+from installer.detect import toolchain
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/mtp_cases.py
+import mtp_cases as mc  # noqa: E402
+
+PROBE = r"""
+#include <cstdio>
+#include "mtp_few.cuh"
+int main() {
+  for (int sms : {114, 132}) for (int cols = 0; cols <= 5; ++cols) for (int fp32 = 0; fp32 < 2; ++fp32)
+    for (int n = 1; n <= 2200; n += n < 600 ? 1 : 7) {
+      cudelta::GdnDecodeParams p{};
+      p.idx_columns = cols; p.state_vk = true; p.K = 128; p.V = 128; p.H = 4; p.HV = 8; p.N = n; p.sm_count = sms;
+      const bool takes = fp32 ? cudelta::few_token_call<float>(p) : cudelta::few_token_call<__nv_bfloat16>(p);
+      std::printf("%d %d %d %lld %d\n", sms, cols, fp32, static_cast<long long>(p.N * p.HV), int(takes));
+    }
+}
+"""
+
+
+def rule_answers(tmp_path) -> list[tuple[int, int, bool, int, bool]]:
+    toolkit, why_not = toolchain.find_cuda("linux", os.environ)  # the nvcc a local build would use
+    if toolkit is None:
+        pytest.skip(why_not)
+    (tmp_path / "probe.cu").write_text(PROBE)
+    subprocess.run([toolkit.nvcc, "-std=c++17", "-I", str(shipped.SOURCE_ROOT / "kernels"), "-o", str(tmp_path / "probe"),
+                    str(tmp_path / "probe.cu")], check=True, capture_output=True, text=True)
+    lines = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split("\n")
+    return [(int(a), int(b), c == "1", int(d), e == "1") for a, b, c, d, e in (line.split() for line in lines if line)]
+
+
+def test_the_tests_copy_of_the_few_token_rule_is_the_rule(tmp_path):
+    answers = rule_answers(tmp_path)
+    assert len(answers) == 2 * 6 * 2 * (599 + len(range(600, 2201, 7)))
+    # The grid reaches every side of the rule: both kinds of call taken and refused, each cap crossed.
+    assert {(cols, fp32) for _, cols, fp32, _, takes in answers if takes} == {(2, False), (2, True), (3, True), (4, True)}
+    assert any(pairs > 128 * sms for sms, cols, fp32, pairs, _ in answers if cols == 2 and fp32)
+    differ = [a for a in answers if mc.takes_the_few_token_kernel(a[3], a[0], a[2], a[1]) != a[4]]
+    assert differ == []
