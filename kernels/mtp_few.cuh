@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 #pragma unroll
     for (int i = 0; i < CPL; ++i) C::widen(s[j][i], &x[j][i * E]);
   }
+  // z until the epilogue: two tokens' in registers (the build the A/B timed), more in s_z.
   uint32_t z_bits[TT <= 2 ? TT : 1];
   float ss[kLoopSums ? 1 : TT] = {};
 #pragma unroll

@@ -54,7 +54,6 @@ PAD_TOKENS = 2
 VARLEN_COUNTS = {"varlen": VARLEN, "varlen2": (2, 0, 1, 2, 2, 1), "varlen4": (4, 0, 3, 1, 4, 2)}
 
 
-
 def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -> bool:
     """kernels/mtp_few.cuh's few_token_call for vLLM's call (GDN, layout vk, K = V = 128) with idx
     [N, columns] and `pairs` (request, value head) pairs on `sms` SMs: which kernel a GPU test's
@@ -64,6 +63,7 @@ def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -
     if columns > 2:
         return fp32 and columns <= 4 and pairs * 10 >= sms * 9 and pairs <= 32 * sms and full_waves
     return columns == 2 and (pairs <= wave or (fp32 and pairs <= 128 * sms and full_waves))
+
 
 @dataclass(frozen=True)
 class Case:
@@ -148,8 +148,8 @@ class Snapshot:
 
 
 def token_lens(case: Case) -> list[int]:
-    """Tokens per request. varlen: VARLEN's counts over the N requests in an order the seed picks (the
-    total depends on N alone, so two seeds give calls of the same shapes)."""
+    """Tokens per request. varlen, varlen2, varlen4: their VARLEN_COUNTS over the N requests in an
+    order the seed picks (the total depends on N alone, so two seeds give calls of the same shapes)."""
     if case.tokens in VARLEN_COUNTS:
         counts = VARLEN_COUNTS[case.tokens]
         gen = torch.Generator().manual_seed(case.seed)

@@ -47,7 +47,7 @@ BUILDS = [(arch, unit) for arch in ("9.0a", "8.0") for unit in ("mtp_bfloat16.cu
     (arch, "mtp_bfloat16.cu") for arch in ("10.0f", "12.0f")]
 
 
-# The allowances. The streaming kernel's staging-first build (kStreamStageFirstBuild) at sm_90a
+# The one allowance: the streaming kernel's staging-first build (kStreamStageFirstBuild) at sm_90a
 # holds two values across the whole kernel in 8 bytes of stack, stored once at its start and
 # reloaded once after the token loop (its SASS): a cost a block, not a token. More, or a spill
 # anywhere else, still fails.
@@ -63,8 +63,8 @@ def allowed_bytes(arch: str, name: str) -> int:
 def test_the_kernels_vllms_calls_run_spill_nothing(unit, arch, tmp_path):
     spills = ptxas_spill_stores(unit, arch, tmp_path)
     pinned = {name: n for name, n in spills.items() if PINNED.search(name)}
-    # The streaming kernel (both builds where there are two) and the one-token block and warp
-    # kernels were all found.
+    # The streaming kernel (both builds where there are two), the one-token block and warp kernels
+    # and the few-token kernel were all found.
     assert any("stream" in name for name in pinned) and any("one_kernel" in name for name in pinned)
     assert any("one_warp_kernel" in name for name in pinned) and any("few_kernel" in name for name in pinned)
     if unit == "mtp_bfloat16.cu":
