@@ -127,11 +127,15 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decod
 }
 
 // The epilogue on outputs already stored (rounded to out's dtype): one warp a (token row, value head),
-// every row of the call (rows left zero stay zero). V <= kMaxOneRows: 4 values a lane.
+// every row of the call (rows left zero stay zero). V <= kMaxOneRows: 4 values a lane. z and w are
+// loaded before griddepcontrol.wait, so that their round trip overlaps the decode's tail: no kernel of
+// this call writes them, and the kernel before the decode has completed before any decode block
+// lets this grid start (each waits for it first, pdl_enter). H200, 16/32 heads, T = 1, µs: bf16
+// B=64 / 128 / 256 42.45 / 76.85 / 146.5 -> 41.3 / 75.35 / 145.1, fp32 B=128 141.65 -> 140.45; two
+// or four rows a warp, their loads together, gained less or lost (benchmarks/results-h200-mtp.md).
 __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodeParams p) {
-  pdl_enter();
   const int64_t item = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  if (item >= p.L * p.HV) return;
+  const bool live = item < p.L * p.HV;
   const int lane = threadIdx.x % 32, V = static_cast<int>(p.V);
   const int64_t tok = item / p.HV, hv = item % p.HV;
   const int64_t o_at = tok * p.out_stride_n + hv * p.out_stride_h, z_at = tok * p.z_stride_n + hv * p.z_stride_h;
@@ -139,11 +143,14 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
   uint32_t o_bits[PER], z_bits[PER], w_bits[PER];
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
-    const int v = lane + 32 * j;
-    o_bits[j] = v < V ? load_bits(p.out, p.dtype, o_at + v) : 0u;
-    z_bits[j] = v < V ? load_bits(p.z, p.z_dtype, z_at + v) : 0u;
-    w_bits[j] = v < V ? load_bits(p.norm_weight, p.norm_weight_dtype, v) : 0u;
+    const bool mine = live && lane + 32 * j < V;
+    z_bits[j] = mine ? load_bits(p.z, p.z_dtype, z_at + lane + 32 * j) : 0u;
+    w_bits[j] = mine ? load_bits(p.norm_weight, p.norm_weight_dtype, lane + 32 * j) : 0u;
   }
+  pdl_enter();
+  if (!live) return;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) o_bits[j] = lane + 32 * j < V ? load_bits(p.out, p.dtype, o_at + lane + 32 * j) : 0u;
   float o[PER], ss = 0.f;
 #pragma unroll
   for (int j = 0; j < PER; ++j) {

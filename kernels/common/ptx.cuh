@@ -13,7 +13,8 @@ namespace {
 // Programmatic dependent launch (sm_90+). Launched with the attribute (GdnDecodeParams::pdl), a
 // kernel's blocks may become resident while the previous kernel of the stream still runs:
 // griddepcontrol.wait holds them until that kernel has completed and its writes are visible, so
-// every kernel here calls this before its first global access. It then lets the next kernel's
+// every kernel here calls this before its first global access (one exception: gated_rms_norm_kernel
+// loads z and w before it, inputs of the decode launch it follows). It then lets the next kernel's
 // blocks do the same. Without the attribute both instructions are no-ops.
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
