@@ -109,6 +109,12 @@ __device__ __forceinline__ void tile_load(const GdnDecodeParams& p, const ST* S,
   }
 }
 
+// Stored evict-first (state_store), as the few-token kernel stores its checkpoints: no kernel of the
+// step reads a stored state back, and the step's writes (T states a request) would otherwise push
+// out of L2 what the next loads need. The streaming kernel, 16/32 heads, µs: H200 bf16 B=8 T=4 /
+// T=8 17.45 / 28.1 -> 16.85 / 26.7, B=32 T=2 35.7 -> 34.45 (0.99x -> 1.03x vLLM's op), B=512 T=8
+// 1403.5 -> 1410.5; H100 bf16 B=8 T=4 / T=8 21.05 / 35.45 -> 20.55 / 34.5, fp32 B=8 T=8 60.55 ->
+// 59.2; elsewhere level or up to 1% faster (benchmarks/results-h200-mtp.md, results-h100-mtp.md).
 template <bool VK, int K, typename ST, int BW>
 __device__ __forceinline__ void tile_store(const GdnDecodeParams& p, ST* S, int v0, int lane,
                                            const float (&h)[MtpShape<VK, K, ST, BW>::NV][MtpShape<VK, K, ST, BW>::NK]) {
@@ -121,7 +127,7 @@ __device__ __forceinline__ void tile_store(const GdnDecodeParams& p, ST* S, int 
     for (int a = 0; a < Sh::NV; ++a) {
       Raw* row = reinterpret_cast<Raw*>(S + int64_t(v0 + row_of<Sh, VK>(lane, a)) * K);
 #pragma unroll
-      for (int i = 0; i < Sh::CPL; ++i) row[i * Sh::LPR + lane % Sh::LPR] = C::narrow(&h[a][i * E]);
+      for (int i = 0; i < Sh::CPL; ++i) state_store<true>(row + i * Sh::LPR + lane % Sh::LPR, C::narrow(&h[a][i * E]));
     }
   } else {
 #pragma unroll
@@ -132,7 +138,7 @@ __device__ __forceinline__ void tile_store(const GdnDecodeParams& p, ST* S, int 
         float x[E];
 #pragma unroll
         for (int m = 0; m < E; ++m) x[m] = h[c * E + m][b];
-        row[c] = C::narrow(x);
+        state_store<true>(row + c, C::narrow(x));
       }
     }
   }

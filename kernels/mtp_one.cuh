@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decod
 // loaded before griddepcontrol.wait, so that their round trip overlaps the decode's tail: no kernel of
 // this call writes them, and the kernel before the decode has completed before any decode block
 // lets this grid start (each waits for it first, pdl_enter). H200, 16/32 heads, T = 1, µs: bf16
-// B=64 / 128 / 256 42.45 / 76.85 / 146.5 -> 41.3 / 75.35 / 145.1, fp32 B=128 141.65 -> 140.45; two
-// or four rows a warp, their loads together, gained less or lost (benchmarks/results-h200-mtp.md).
+// B=64 / 128 / 512 42.2 / 76.3 / 287.1 -> 41.0 / 75.2 / 285.85, fp32 B=128 140.75 -> 139.65; two or
+// four rows a warp, their loads together, gained less or lost (benchmarks/results-h200-mtp.md).
 __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodeParams p) {
   const int64_t item = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   const bool live = item < p.L * p.HV;
