@@ -109,25 +109,36 @@ __device__ __forceinline__ void tile_load(const GdnDecodeParams& p, const ST* S,
   }
 }
 
-// Stored evict-first (state_store), as the few-token kernel stores its checkpoints: no kernel of the
-// step reads a stored state back, and the step's writes (T states a request) would otherwise push
-// out of L2 what the next loads need. The streaming kernel, 16/32 heads, µs: H200 bf16 B=8 T=4 /
-// T=8 17.45 / 28.1 -> 16.85 / 26.7, B=32 T=2 35.7 -> 34.45 (0.99x -> 1.03x vLLM's op), B=512 T=8
-// 1403.5 -> 1410.5; H100 bf16 B=8 T=4 / T=8 21.05 / 35.45 -> 20.55 / 34.5, fp32 B=8 T=8 60.55 ->
-// 59.2; elsewhere level or up to 1% faster (benchmarks/results-h200-mtp.md, results-h100-mtp.md).
+// Whether tile_store stores evict-first (state_store), as the few-token kernel stores its
+// checkpoints: no kernel of the step reads a stored state back, and the step's writes (T states a
+// request) would otherwise push out of L2 what the next loads need. The streaming kernel, 16/32
+// heads, µs: H200 bf16 B=8 T=4 / T=8 17.45 / 28.1 -> 16.85 / 26.7, B=32 T=2 35.7 -> 34.45 (0.99x ->
+// 1.03x vLLM's op), B=512 T=8 1403.5 -> 1410.5; H100 bf16 B=8 T=4 / T=8 21.05 / 35.45 -> 20.55 /
+// 34.5, fp32 B=8 T=8 60.55 -> 59.2; elsewhere level or up to 1% faster (benchmarks/results-h200-mtp.md,
+// results-h100-mtp.md). Not in sm_120 images: there ptxas spilled 32 bytes a thread of the
+// streaming kernel's bf16 build with it (no such GPU here to time either).
+__host__ __device__ constexpr bool evict_first_checkpoints() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+  return false;
+#else
+  return true;
+#endif
+}
+
 template <bool VK, int K, typename ST, int BW>
 __device__ __forceinline__ void tile_store(const GdnDecodeParams& p, ST* S, int v0, int lane,
                                            const float (&h)[MtpShape<VK, K, ST, BW>::NV][MtpShape<VK, K, ST, BW>::NK]) {
   using Sh = MtpShape<VK, K, ST, BW>;
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
+  constexpr bool kEvictFirst = evict_first_checkpoints();
   constexpr int E = Sh::E;
   if constexpr (VK) {
 #pragma unroll
     for (int a = 0; a < Sh::NV; ++a) {
       Raw* row = reinterpret_cast<Raw*>(S + int64_t(v0 + row_of<Sh, VK>(lane, a)) * K);
 #pragma unroll
-      for (int i = 0; i < Sh::CPL; ++i) state_store<true>(row + i * Sh::LPR + lane % Sh::LPR, C::narrow(&h[a][i * E]));
+      for (int i = 0; i < Sh::CPL; ++i) state_store<kEvictFirst>(row + i * Sh::LPR + lane % Sh::LPR, C::narrow(&h[a][i * E]));
     }
   } else {
 #pragma unroll
@@ -138,7 +149,7 @@ __device__ __forceinline__ void tile_store(const GdnDecodeParams& p, ST* S, int 
         float x[E];
 #pragma unroll
         for (int m = 0; m < E; ++m) x[m] = h[c * E + m][b];
-        state_store<true>(row + c, C::narrow(x));
+        state_store<kEvictFirst>(row + c, C::narrow(x));
       }
     }
   }
