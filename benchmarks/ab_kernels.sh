@@ -8,11 +8,14 @@
 # KERNELS_DIR holds a copy of kernels/ (a variant, or main's from `git archive HEAD kernels`); the
 # first tree is the baseline the ratios divide by. Environment: BATCHES (default 1 4 8 32 128),
 # TOKENS (2 4 8), STATES (bfloat16 float32), HEADS (16/32), ARCH (9.0a), TESTS (the multi-token GPU
-# tests; "none" skips them), TEST_TREE (the last tree). Results (.md, .json) go to $OUT or /tmp/ab.
+# tests; "none" skips them), TEST_TREE (the last tree). What comes back, in $OUT or /tmp/ab: ab.md (the
+# A/B table, also printed) and tests-TREE.txt, two files whatever the trees (the device returns at
+# most 8); each round's mtp_bench.py tables (.md, .json) stay in a temporary folder, printed with its
+# path, unless ROUNDS_OUT names a folder for them.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 [ $# -ge 2 ] || { echo "usage: $0 NAME=KERNELS_DIR NAME=KERNELS_DIR ..." >&2; exit 2; }
-out=${OUT:-/tmp/ab}; work=$(mktemp -d); mkdir -p "$out"
+out=${OUT:-/tmp/ab}; work=$(mktemp -d); rounds=${ROUNDS_OUT:-$work/rounds}; mkdir -p "$out" "$rounds"
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
 names=()
@@ -32,7 +35,7 @@ echo "builds $(( $(date +%s) - t0 )) s"
 bench() {  # name round
   PYTHONPATH="$work/$1" python3 -P benchmarks/mtp_bench.py --impls cudelta vllm-cuda --heads "${HEADS:-16/32}" \
     --states ${STATES:-bfloat16 float32} --batches ${BATCHES:-1 4 8 32 128} --tokens ${TOKENS:-2 4 8} --procs 1 \
-    --out "$out/$1-$2.md" > "$work/$1-$2.log" 2>&1 || { echo "$1 round $2 failed:"; tail -20 "$work/$1-$2.log"; exit 1; }
+    --out "$rounds/$1-$2.md" > "$work/$1-$2.log" 2>&1 || { echo "$1 round $2 failed:"; tail -20 "$work/$1-$2.log"; exit 1; }
   echo "$1 round $2 done at $(( $(date +%s) - t0 )) s"
 }
 for name in "${names[@]}"; do bench "$name" 1; done
@@ -43,7 +46,8 @@ if [ "${TESTS:-}" != none ]; then
   echo "tests on $test_tree: rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$out/tests-$test_tree.txt")"
 fi
 for (( i=${#names[@]}-1; i>=0; i-- )); do bench "${names[$i]}" 2; done
-python3 - "$out" "${names[@]}" <<'PY'
+echo "rounds' tables in $rounds"
+python3 - "$rounds" "${names[@]}" <<'PY' | tee "$out/ab.md"
 import json, sys
 out, names = sys.argv[1], sys.argv[2:]
 def load(name, r):
