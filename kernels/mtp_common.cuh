@@ -110,13 +110,13 @@ __device__ __forceinline__ void tile_load(const GdnDecodeParams& p, const ST* S,
 }
 
 // Whether tile_store stores evict-first (state_store), as the few-token kernel stores its
-// checkpoints: no kernel of the step reads a stored state back, and the step's writes (T states a
-// request) would otherwise push out of L2 what the next loads need. The streaming kernel, 16/32
-// heads, µs: H200 bf16 B=8 T=4 / T=8 17.45 / 28.1 -> 16.85 / 26.7, B=32 T=2 35.7 -> 34.45 (0.99x ->
-// 1.03x vLLM's op), B=512 T=8 1403.5 -> 1410.5; H100 bf16 B=8 T=4 / T=8 21.05 / 35.45 -> 20.55 /
-// 34.5, fp32 B=8 T=8 60.55 -> 59.2; elsewhere level or up to 1% faster (benchmarks/results-h200-mtp.md,
-// results-h100-mtp.md). Not in sm_120 images: there ptxas spilled 32 bytes a thread of the
-// streaming kernel's bf16 build with it (no such GPU here to time either).
+// checkpoints: no kernel of the step reads a stored state back, so the T states a request writes
+// need not hold L2 against the loads still to come (the likely reason for the gain; not profiled).
+// The streaming kernel, 16/32 heads, µs: H200 bf16 B=8 T=4 / T=8 17.45 / 28.1 -> 16.85 / 26.7, B=32
+// T=2 35.7 -> 34.45 (0.99x -> 1.03x vLLM's op), B=512 T=8 1403.5 -> 1410.5; H100 bf16 B=8 T=4 / T=8
+// 21.05 / 35.45 -> 20.55 / 34.5, fp32 B=8 T=8 60.55 -> 59.2; elsewhere level or up to 1% faster
+// (benchmarks/results-h200-mtp.md, results-h100-mtp.md). Not in sm_120 images: there ptxas spilled
+// 32 bytes a thread of the streaming kernel's bf16 build with it (no such GPU here to time either).
 __host__ __device__ constexpr bool evict_first_checkpoints() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
   return false;
