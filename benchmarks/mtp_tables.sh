@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The results files' 3-process tables in one device call: this checkout built for the GPU at hand,
+# the multi-token GPU tests on that build, then mtp_bench.py at each head shape (vLLM's CUDA op and
+# its Triton port beside cudelta; carry .peers/cuda_op and .peers/vllm_fla, from fetch_vllm_ops.py).
+#
+#   bash benchmarks/mtp_tables.sh      # on the GPU machine, from the repo root
+#
+# Environment: HEADS (16/32 4/8 32/32 16/64), PROCS (3), TESTS (tests/gpu/test_mtp_gpu.py; "none"
+# skips them), ARCH (9.0a), STOP_AFTER (seconds: no new head shape starts past it; 400, so that a
+# call stays inside the device's 10-minute limit). What comes back, in $OUT or /tmp/tables: tests.txt
+# and mtp-H-HV.md a head shape, at most five files (the device returns at most 8).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/tables}; work=$(mktemp -d); mkdir -p "$out"
+nvidia-smi --query-gpu=name --format=csv,noheader
+t0=$(date +%s)
+CUDELTA_CUDA_ARCHS=${ARCH:-9.0a} FORCE_BUILD=1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps --no-index \
+  -q --target "$work/build" . > "$work/build.log" 2>&1 || { tail -20 "$work/build.log"; exit 1; }
+echo "build $(( $(date +%s) - t0 )) s"
+export PYTHONPATH="$work/build"
+if [ "${TESTS:-}" != none ]; then
+  # shellcheck disable=SC2086  # TESTS is a list of paths and pytest options
+  python3 -P -m pytest -m gpu ${TESTS:-tests/gpu/test_mtp_gpu.py} -q -p no:cacheprovider > "$out/tests.txt" 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$out/tests.txt")"
+fi
+for heads in ${HEADS:-16/32 4/8 32/32 16/64}; do
+  if [ $(( $(date +%s) - t0 )) -gt "${STOP_AFTER:-400}" ]; then echo "stopped before $heads (STOP_AFTER)"; break; fi
+  tag=${heads/\//-}
+  python3 -P benchmarks/mtp_bench.py --heads "$heads" --procs "${PROCS:-3}" --out "$work/mtp-$tag.md" > "$work/mtp-$tag.log" 2>&1
+  rc=$?
+  [ -f "$work/mtp-$tag.md" ] && cp "$work/mtp-$tag.md" "$out/"
+  echo "mtp $heads rc=$rc at $(( $(date +%s) - t0 )) s"
+  grep "^- never slower" "$out/mtp-$tag.md" 2>/dev/null | cut -c1-200 || tail -5 "$work/mtp-$tag.log"
+done
