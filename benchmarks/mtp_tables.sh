@@ -8,7 +8,8 @@
 # Environment: HEADS (16/32 4/8 32/32 16/64), PROCS (3), TESTS (tests/gpu/test_mtp_gpu.py; "none"
 # skips them), ARCH (9.0a), STOP_AFTER (seconds: no new head shape starts past it; 400, so that a
 # call stays inside the device's 10-minute limit). What comes back, in $OUT or /tmp/tables: tests.txt
-# and mtp-H-HV.md a head shape, at most five files (the device returns at most 8).
+# and mtp-H-HV.md a head shape, at most five files (the device returns at most 8). Exits 1 when the
+# tests fail or a head shape's run does (what did finish still comes back).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/tables}; work=$(mktemp -d); mkdir -p "$out"
@@ -18,17 +19,22 @@ CUDELTA_CUDA_ARCHS=${ARCH:-9.0a} FORCE_BUILD=1 MAX_JOBS=16 python3 -m pip instal
   -q --target "$work/build" . > "$work/build.log" 2>&1 || { tail -20 "$work/build.log"; exit 1; }
 echo "build $(( $(date +%s) - t0 )) s"
 export PYTHONPATH="$work/build"
+status=0
 if [ "${TESTS:-}" != none ]; then
   # shellcheck disable=SC2086  # TESTS is a list of paths and pytest options
   python3 -P -m pytest -m gpu ${TESTS:-tests/gpu/test_mtp_gpu.py} -q -p no:cacheprovider > "$out/tests.txt" 2>&1
-  echo "tests rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$out/tests.txt")"
+  rc=$?
+  [ "$rc" -eq 0 ] || status=1
+  echo "tests rc=$rc at $(( $(date +%s) - t0 )) s: $(tail -1 "$out/tests.txt")"
 fi
 for heads in ${HEADS:-16/32 4/8 32/32 16/64}; do
   if [ $(( $(date +%s) - t0 )) -gt "${STOP_AFTER:-400}" ]; then echo "stopped before $heads (STOP_AFTER)"; break; fi
   tag=${heads/\//-}
   python3 -P benchmarks/mtp_bench.py --heads "$heads" --procs "${PROCS:-3}" --out "$work/mtp-$tag.md" > "$work/mtp-$tag.log" 2>&1
   rc=$?
+  [ "$rc" -eq 0 ] || status=1
   [ -f "$work/mtp-$tag.md" ] && cp "$work/mtp-$tag.md" "$out/"
   echo "mtp $heads rc=$rc at $(( $(date +%s) - t0 )) s"
   grep "^- never slower" "$out/mtp-$tag.md" 2>/dev/null | cut -c1-200 || tail -5 "$work/mtp-$tag.log"
 done
+exit "$status"
