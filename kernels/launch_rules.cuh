@@ -10,16 +10,13 @@
 #include <type_traits>
 
 #include "launch.h"
+#include "common/host.cuh"
 #include "block_kv.cuh"
 #include "warp_kv.cuh"
 #include "warp_vk.cuh"
 
 namespace cudelta {
 namespace {
-
-// The SM count the warp launch rules scale their thresholds by (the probe always fills it; the
-// H100's 132, the GPU they were measured on, otherwise).
-inline int64_t rule_sms(const GdnDecodeParams& p) { return p.sm_count > 0 ? p.sm_count : 132; }
 
 // Layout vk: which build a launch of `pairs` (request, value head) pairs takes.
 // Small batches are latency: short tiles, many warps, each with little dependent work. From a few

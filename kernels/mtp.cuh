@@ -41,7 +41,7 @@ int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
   // About one token a request (rows <= requests: the epilogue alone, or vLLM's MTP call at T = 1) in
   // a grid of at most two heads per SM: the resident kernel has the shorter path there (no staging,
   // one barrier), and streaming gains nothing. Either kernel computes any call; this is speed only.
-  const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
+  const int64_t sms = rule_sms(p);
   if ((p.L <= p.N && p.N * p.HV <= 2 * sms) || p.V > kStreamMaxV<K>) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
   return launch_mtp_stream<VK, K, ST>(p, stream);
 }

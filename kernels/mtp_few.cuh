@@ -218,7 +218,7 @@ bool few_token_call(const GdnDecodeParams& p) {
   if (p.idx_columns < 2 || p.idx_columns > (fp32 ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
       p.V % 16 != 0 || p.V > kMaxOneRows)
     return false;
-  const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132, wave = 2 * sms;
+  const int64_t pairs = p.N * p.HV, sms = rule_sms(p), wave = 2 * sms;
   const int64_t waves = (pairs + wave - 1) / wave;
   const bool full_waves = pairs <= wave || pairs * 10 >= waves * wave * 9;
   if (p.idx_columns > 2) return pairs * 10 >= sms * 9 && pairs <= kFewMaxPairsPerSm4 * sms && full_waves;
@@ -239,7 +239,7 @@ int launch_vk_few(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (std::is_same_v<ST, float>) {
     if (p.idx_columns > 2) return launch_vk_few_rows<ST, kFewRows, 4>(p, stream);
   } else {
-    if (p.N * p.HV <= (p.sm_count > 0 ? p.sm_count : 132)) return launch_vk_few_rows<ST, 8, 2>(p, stream);
+    if (p.N * p.HV <= rule_sms(p)) return launch_vk_few_rows<ST, 8, 2>(p, stream);
   }
   return launch_vk_few_rows<ST, kFewRows, 2>(p, stream);
 }

@@ -227,7 +227,7 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // (decode_vk_one_warp_kernel, CLUSTER_EPI).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
-  const int64_t pairs = p.N * p.HV, sms = p.sm_count > 0 ? p.sm_count : 132;
+  const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
   const bool epilogue = p.gate_activation > 0;
   // The one-warp grid holds requests on z: a call with more than it holds takes the block kernel,
   // whose grid holds them on x (launch_gdn_decode does not split multi-token calls).

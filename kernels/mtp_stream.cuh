@@ -535,7 +535,7 @@ constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, fl
 template <bool VK, int K, typename ST>
 int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
-  const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
+  const int64_t sms = rule_sms(p);
   const int head_chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
   // Row groups (decode_mtp_stream_kernel): while a block a head fills at most kMtpGroupSmShare of
   // the SMs, the head's rows split over twice the blocks, each of at least kMtpGroupChunks chunks, or

@@ -1,15 +1,20 @@
-// Host-side helpers every launch shares: the programmatic-dependent-launch attribute and the
-// occupancy the driver reports for a build.
+// Host-side helpers every launch shares: the SM count the launch rules scale by, the
+// programmatic-dependent-launch attribute and the occupancy the driver reports for a build.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "../launch.h"
 
 namespace cudelta {
 namespace {
+
+// The SM count every launch rule scales its thresholds by (the probe always fills it; the H100's
+// 132, the GPU the first rules were measured on, otherwise).
+inline int64_t rule_sms(const GdnDecodeParams& p) { return p.sm_count > 0 ? p.sm_count : 132; }
 
 // Resident blocks per SM of `Kernel` on `device` with `threads` threads and `smem` bytes of dynamic
 // shared memory: asked of the driver once per kernel, device and block size (again where the
