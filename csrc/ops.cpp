@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../kernels/launch.h"
@@ -196,6 +197,30 @@ int64_t check_pool(const char* op, const Tensor& state, bool vk) {
   return stride;
 }
 
+// The bytes [lo, hi) a tensor addresses (every argument here has non-negative strides).
+struct Span {
+  int64_t lo = 0, hi = 0;
+};
+
+Span span_of(const Tensor& t) {
+  if (t.numel() == 0) return {};
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto first = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()));
+  return {first, first + (last + 1) * static_cast<int64_t>(t.element_size())};
+}
+
+// Whether bytes meet a slot's block of the pool; the padding between blocks is not the pool's
+// (vLLM keeps each page's conv state there). cudelta/_contract.py _meets_slots in the same terms.
+bool meets_slots(const Tensor& state, int64_t slot_stride, Span s) {
+  if (s.lo == s.hi || state.numel() == 0) return false;
+  const int64_t size = static_cast<int64_t>(state.element_size());
+  const Span pool = span_of(state);
+  const int64_t block = state.size(1) * state.size(2) * state.size(3) * size, stride = slot_stride * size;
+  const int64_t first = s.lo < pool.lo + block ? 0 : (s.lo - pool.lo - block) / stride + 1;
+  return first < state.size(0) && pool.lo + first * stride < s.hi;
+}
+
 // One decode call's arguments as the op receives them, checked and turned into the kernels'
 // parameters by decode() alone; the registered op only gathers them.
 struct DecodeArgs {
@@ -338,6 +363,31 @@ void decode(const DecodeArgs& x) {
                   V, "], got ", shape_of(w));
     float_dtype(op, "norm_weight", w.scalar_type());
     CUDELTA_CHECK(x.norm_eps >= 0, op, ": norm_eps must be >= 0, got ", x.norm_eps);
+  }
+
+  // What the op writes (out, the pool's slots) shares no byte with what it reads: the kernels read
+  // inputs after they write out (cudelta/_contract.py check_no_overlap, in the same words).
+  const char* accepted = "; accepted: buffers that share no byte with each other";
+  const Span out_span = span_of(out);
+  CUDELTA_CHECK(!meets_slots(state, slot_stride, out_span), op, ": out shares memory with the state pool", accepted,
+                " (out is written, the pool read and written)");
+  auto opt = [](const std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; };
+  const std::pair<const Tensor*, const char*> inputs[] = {
+      {&q, "q"}, {&k, "k"}, {&v, "v"}, {&idx, "idx"}, {opt(x.cu_seqlens), "cu_seqlens"},
+      {opt(x.num_accepted_tokens), "num_accepted_tokens"}, {opt(x.output_gate), "output_gate"},
+      {opt(x.norm_weight), "norm_weight"}, {opt(x.g), "g"}, {opt(x.beta), "beta"}, {opt(x.a), "a"},
+      {opt(x.b), "b"}, {opt(x.A_log), "A_log"}, {opt(x.dt_bias), "dt_bias"}};
+  for (const auto& [t, name] : inputs) {
+    if (t == nullptr) continue;
+    const Span s = span_of(*t);
+    CUDELTA_CHECK(!(s.lo < out_span.hi && out_span.lo < s.hi), op, ": out shares memory with ", name, accepted,
+                  " (out is written while ", name, " is still read)");
+  }
+  for (const auto& [t, name] : inputs) {
+    if (t == nullptr) continue;
+    CUDELTA_CHECK(!meets_slots(state, slot_stride, span_of(*t)), op, ": ", name,
+                  " shares memory with the state pool's slots", accepted, " (the pool is written while ", name,
+                  " is still read)");
   }
 
   ImageInfo info{};

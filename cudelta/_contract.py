@@ -1,5 +1,6 @@
 """What one decode call may be given (ARCHITECTURE.md, "The decode step"), checked without computing
-anything: the token forms, the slots, the gates, the epilogue and the pool rule.
+anything: the token forms, the slots, the gates, the epilogue, the pool rule, and that what a call
+writes (out, the pool's slots) shares no memory with what it reads.
 
 The reference checks every call with `check_call` and `check_token_values`; the kernel path
 (cudelta.ops) with `check_call` only, which reads no tensor's values and so never synchronises a
@@ -117,6 +118,53 @@ def check_kernel_pool(state: torch.Tensor) -> None:
                          "starting mid-row is not)")
 
 
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    """[first, end) of the bytes x addresses (every argument here has non-negative strides)."""
+    if x.numel() == 0:
+        return (0, 0)
+    last = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
+    first = x.data_ptr()
+    return first, first + (last + 1) * x.element_size()
+
+
+def _meets_slots(state: torch.Tensor, span: tuple[int, int]) -> bool:
+    """Whether the bytes [lo, hi) meet a slot's block of the pool; the padding between blocks is not
+    the pool's (vLLM keeps each page's conv state there)."""
+    lo, hi = span
+    if lo == hi or state.numel() == 0:
+        return False
+    size, base = state.element_size(), state.data_ptr()
+    block = math.prod(state.shape[1:]) * size
+    stride = state.stride(0) * size if state.shape[0] > 1 else block
+    first = max(0, (lo - base - block) // stride + 1)  # the first slot whose block ends past lo
+    return first < state.shape[0] and base + first * stride < hi
+
+
+def check_no_overlap(state: torch.Tensor, out: Optional[torch.Tensor],
+                     inputs: dict[str, Optional[torch.Tensor]]) -> None:
+    """out and the pool are written while the inputs are still read, so none of them may share a
+    byte with another argument: an out that aliases output_gate, or tokens inside the pool, would be
+    read back overwritten. A traced call has no addresses: the op checks it when it runs."""
+    if torch.compiler.is_compiling() or state.device.type == "meta":
+        return
+    named = [(n, x) for n, x in inputs.items() if x is not None and x.device == state.device]
+    accepted = "accepted: buffers that share no byte with each other"
+    if out is not None and out.device == state.device:
+        out_span = _byte_span(out)
+        if _meets_slots(state, out_span):
+            raise ValueError(f"out shares memory with the state pool; {accepted} (out is written, the pool "
+                             "read and written)")
+        for name, x in named:
+            lo, hi = _byte_span(x)
+            if lo < out_span[1] and out_span[0] < hi:
+                raise ValueError(f"out shares memory with {name}; {accepted} (out is written while {name} is "
+                                 "still read)")
+    for name, x in named:
+        if _meets_slots(state, _byte_span(x)):
+            raise ValueError(f"{name} shares memory with the state pool's slots; {accepted} (the pool is "
+                             f"written while {name} is still read)")
+
+
 def _check_index(name: str, x: torch.Tensor, shape: tuple, what: str) -> None:
     if x.dtype not in INDEX_DTYPES or tuple(x.shape) != shape:
         raise ValueError(f"{name} must be an int32/int64 tensor of shape {_dims(shape)} ({what}); "
@@ -206,14 +254,20 @@ def check_call(q, k, v, state, idx, layout, out, cu_seqlens=None, num_accepted_t
     if out is not None and (tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype):
         raise ValueError(f"out must be a {v.dtype} tensor of shape {_dims(v.shape)}; got {out.dtype} "
                          f"{tuple(out.shape)}")
+    check_no_overlap(state, out, {"q": q, "k": k, "v": v, "idx": idx, "cu_seqlens": cu_seqlens,
+                                  "num_accepted_tokens": num_accepted_tokens, "output_gate": output_gate,
+                                  "norm_weight": norm_weight})
     return Shape(lead=lead, N=N, L=L, H=H, K=K, HV=HV, V=V, columns=columns)
 
 
 def check_decode_call(call: DecodeCall) -> Shape:
     """check_call on a whole call value: what the reference and the kernel path both check first."""
-    return check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
-                      call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
-                      call.gate_activation)
+    shape = check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
+                       call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
+                       call.gate_activation)
+    check_no_overlap(call.state, call.out, {"g": call.g, "beta": call.beta, "a": call.a, "b": call.b,
+                                            "A_log": call.A_log, "dt_bias": call.dt_bias})
+    return shape
 
 
 def check_token_values(shape: Shape, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:

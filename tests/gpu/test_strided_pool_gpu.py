@@ -177,3 +177,75 @@ def test_the_op_refuses_a_pool_it_cannot_address_by_name(case):
     proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-800:]
     assert message in proc.stdout and "pages unchanged: True" in proc.stdout, proc.stdout[-800:]
+
+
+OVERLAP_SCRIPT = """
+import sys; sys.path.insert(0, {here!r})
+import torch, cudelta; cudelta._native.status()
+from test_gdn_decode_gpu import make, run_op
+from test_strided_pool_gpu import CONV_BYTES, into_pages
+t = make(N=4, H=2, HV=4, K=128, V=128, P=6, layout="vk")
+pages = into_pages(t)
+def in_slot(x, slot):  # a tensor of x's shape and dtype at the start of a slot's state block
+    return pages[slot, CONV_BYTES:CONV_BYTES + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+{setup}
+before = pages.clone()
+try:
+    run_op("gdn", -1, t, layout="vk", out=out)
+except RuntimeError as e:
+    print(e)
+torch.cuda.synchronize()
+print("pages unchanged:", torch.equal(pages, before))
+"""
+ACCEPTED = "; accepted: buffers that share no byte with each other"
+OVERLAP_CASES = {
+    "out is v": ("out = t['v']", "out shares memory with v" + ACCEPTED + " (out is written while v is still read)"),
+    "out in a slot": ("out = in_slot(t['v'], 5)", "out shares memory with the state pool" + ACCEPTED),
+    "q in a slot": ("t['q'] = in_slot(t['q'], 5).copy_(t['q']); out = None",
+                    "q shares memory with the state pool's slots" + ACCEPTED),
+    "beta is out": ("out = torch.empty_like(t['v']); t['beta'] = out.view(-1)[:t['beta'].numel()].view(t['beta'].shape)"
+                    ".copy_(t['beta'])", "out shares memory with beta" + ACCEPTED),
+}
+
+
+# The op itself refuses a call whose written tensors (out, the pool's slots) share bytes with what it
+# reads, before it launches anything; each case in its own process, as the other op errors.
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_the_op_refuses_what_it_writes_sharing_memory_with_what_it_reads(case):
+    setup, message = OVERLAP_CASES[case]
+    script = OVERLAP_SCRIPT.format(here=str(Path(__file__).parent), setup=setup)
+    proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    assert "cudelta.decode: " + message in proc.stdout and "pages unchanged: True" in proc.stdout, proc.stdout[-800:]
+
+
+def test_the_public_api_names_an_aliased_out_and_writes_nothing():
+    t = make(N=4, H=2, HV=4, K=128, V=128, P=6, layout="vk")
+    pages = into_pages(t)
+    before = pages.clone()
+    with pytest.raises(ValueError, match=r"^out shares memory with v; accepted: buffers that share no byte"):
+        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], t["state"], t["idx"], layout="vk", out=t["v"])
+    torch.cuda.synchronize()
+    assert torch.equal(pages, before)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_an_out_in_the_conv_bytes_of_a_page_is_not_the_pool(tokens):
+    # vLLM keeps each page's conv state between the state blocks; an out there shares no byte with
+    # the slots, so it is accepted and gets the same values as an out of its own.
+    N = 2
+    t = make(N=N * tokens, H=2, HV=2, K=128, V=128, P=6, layout="vk")
+    pages = into_pages(t)
+    idx = torch.tensor([[1, 2, 3], [4, 5, 0]], device="cuda")[:, :tokens]  # no slot shared between requests
+    idx = idx[:, 0].contiguous() if tokens == 1 else idx
+    cu = torch.arange(0, N * tokens + 1, tokens, device="cuda") if tokens > 1 else None
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    ref_state = t["state"].clone()
+    expected = cudelta.gdn_decode(*args, ref_state, idx, layout="vk", cu_seqlens=cu)
+    nbytes = t["v"].numel() * t["v"].element_size()
+    assert nbytes <= CONV_BYTES
+    out = pages[0, :nbytes].view(t["v"].dtype).view(t["v"].shape)
+    got = cudelta.gdn_decode(*args, t["state"], idx, layout="vk", cu_seqlens=cu, out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, expected) and torch.equal(t["state"], ref_state)
