@@ -54,8 +54,8 @@ def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Opti
         _native.status().pdl if pdl is None else pdl)
 
 
-def _check(call: DecodeCall) -> None:
-    shape = check_decode_call(call)
+def _check(call: DecodeCall, overlap: bool = True) -> None:
+    shape = check_decode_call(call, overlap)
     check_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b, call.A_log, call.dt_bias)
 
 
@@ -77,10 +77,15 @@ def _decode(call: DecodeCall) -> torch.Tensor:
     compiling = torch.compiler.is_compiling()
     # Several tokens a request: the Python checks name a wrong shape before the rows of tokens are
     # formed from it (one token a request: the op checks, and the checks run on its refusal below).
+    # Addresses are the op's to compare (overlap=False): it refuses a written tensor sharing memory
+    # with a read one, and the except below names it.
     if call.multi_token or call.layout not in LAYOUTS or call.invalid_slot not in INVALID_SLOT_RULES or compiling:
-        _check(call)  # traced once under torch.compile: free at run time
+        _check(call, overlap=False)  # traced once under torch.compile: free at run time
     out = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device) if call.out is None else call.out
     if call.q.dim() == 4 and not _viewable(out):
+        # The op writes a scratch buffer here: out's own addresses are compared before it is copied.
+        if not compiling:
+            check_decode_call(call)
         scratch = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         run_kernel(call, scratch, st.variant)
         return out.copy_(scratch)

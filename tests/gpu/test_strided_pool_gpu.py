@@ -219,12 +219,19 @@ def test_the_op_refuses_what_it_writes_sharing_memory_with_what_it_reads(case):
     assert "cudelta.decode: " + message in proc.stdout and "pages unchanged: True" in proc.stdout, proc.stdout[-800:]
 
 
-def test_the_public_api_names_an_aliased_out_and_writes_nothing():
-    t = make(N=4, H=2, HV=4, K=128, V=128, P=6, layout="vk")
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_public_api_names_an_aliased_out_and_writes_nothing(tokens):
+    # One token a request: the op refuses before any Python check; three (cu_seqlens, the epilogue):
+    # the Python checks leave addresses to the op too. Either way the refusal is named in Python.
+    t = make(N=2 * tokens, H=2, HV=4, K=128, V=128, P=6, layout="vk")
     pages = into_pages(t)
     before = pages.clone()
+    options = {} if tokens == 1 else dict(cu_seqlens=torch.tensor([0, 3, 6], device="cuda"),
+                                          output_gate=torch.randn_like(t["v"]), norm_weight=torch.ones(128, device="cuda"))
+    idx = torch.tensor([1, 4], device="cuda") if tokens == 1 else torch.tensor([[1, 2, 3], [4, 5, 0]], device="cuda")
     with pytest.raises(ValueError, match=r"^out shares memory with v; accepted: buffers that share no byte"):
-        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], t["state"], t["idx"], layout="vk", out=t["v"])
+        cudelta.gdn_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], t["state"], idx, layout="vk", out=t["v"],
+                           **options)
     torch.cuda.synchronize()
     assert torch.equal(pages, before)
 
