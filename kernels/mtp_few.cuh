@@ -27,8 +27,10 @@ constexpr int kFewRows = 16;
 // four at once spilled, 8-308 bytes at sm_90a). The epilogue's sums of squares go to shared memory a
 // token at a time, except in the build of two tokens and 16 rows a warp, which keeps them in
 // registers to the end (in the loop that build was 1-1.5% slower from B=16 with fp32 state, H200;
-// benchmarks/results-h200-mtp.md).
-template <int K, typename ST, int BW, int TT>
+// benchmarks/results-h200-mtp.md). CL > 1 (few_cluster_blocks): the head's V rows in CL blocks of a
+// cluster instead, V / CL each (blockIdx.z says which), the epilogue's mean over V taken by each
+// block from every block's sums.
+template <int K, typename ST, int BW, int TT, int CL = 1>
 __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
@@ -38,6 +40,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
   constexpr bool kLoopSums = BW < 16 || TT > 2;
   __shared__ float s_o[TT][kMaxOneRows], s_z[TT > 2 ? TT : 1][TT > 2 ? kMaxOneRows : 1];
   __shared__ float s_sumsq[TT][16];
+  __shared__ float s_cl[TT][CL];
   pdl_enter();
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int l = lane % LPR, r = lane / LPR;
@@ -45,8 +48,14 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
   const int V = static_cast<int>(p.V);
   int64_t bos, len, start;
   if (!head_request_span(p, n, hv, bos, len, start)) return;
+  // CL > 1: the head's rows in CL blocks of a cluster (blockIdx.z: which rows); all return above or
+  // none does. Distributed shared memory is written only once every block runs: waited for below.
+  if constexpr (CL > 1) {
+    if (p.gate_activation > 0) cluster_arrive_relaxed();
+  }
+  const int rows = CL > 1 ? V / CL : V, base = CL > 1 ? static_cast<int>(blockIdx.z) * rows : 0;
   const int64_t h = qk_head(p, static_cast<uint32_t>(hv));
-  const int row0 = warp * BW;
+  const int row0 = base + warp * BW;
   const int64_t head = (hv * p.V + row0) * int64_t(K);
   ST* const pool = static_cast<ST*>(p.state);
 
@@ -60,7 +69,8 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
     for (int i = 0; i < CPL; ++i) s[j][i] = state_load<true>(S + (r + RPP * j) * KC + i * LPR + l);
   }
   const int my_j = l / F, my_row = r + RPP * my_j;
-  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
+  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < rows;
+  const unsigned col = static_cast<unsigned>(base) + threadIdx.x;  // this thread's output row of V
   struct Inputs {
     uint32_t v, beta, z;
     RunBits<E> q[CPL], k[CPL];
@@ -84,13 +94,13 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
   // z apart, after the unconditional loads: a load under a condition in their midst split them
   // (H100 and H200, bf16 B=8 T=2: 2-3% slower).
   auto load_z = [&](int t, Inputs& b) {
-    b.z = epilogue && mine && t < len ? load_bits(p.z, p.z_dtype, (bos + t) * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
+    b.z = epilogue && mine && t < len ? load_bits(p.z, p.z_dtype, (bos + t) * p.z_stride_n + hv * p.z_stride_h + col) : 0u;
   };
 #pragma unroll
   for (int t = 0; t < D; ++t) load_inputs(t, in[t]);
 #pragma unroll
   for (int t = 0; t < D; ++t) load_z(t, in[t]);
-  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
+  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, col) : 0u;
   const uint32_t a_log_bits = load_a_log_bits(p, hv);
 
   float x[NP][CPL * E];
@@ -142,7 +152,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
     const float o_row = pq * (decay * sc.q) + u_mine * sc.qk;
     if (epilogue) {
       const float o_out = rounded(o_row, p.dtype);
-      if (l % F == 0) s_o[t][row0 + my_row] = o_out;
+      if (l % F == 0) s_o[t][row0 - base + my_row] = o_out;
       const float sumsq = warp_sum(l % F == 0 ? o_out * o_out : 0.f);
       if constexpr (kLoopSums) {
         if (lane == 0) s_sumsq[t][warp] = sumsq;
@@ -178,17 +188,33 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
     }
   }
   __syncthreads();
+  if constexpr (CL > 1) {
+    // Block c's sums go to slot c of every block; each adds them in slot order.
+    cluster_wait();
+    if (threadIdx.x < TT * CL) {
+      const int t = static_cast<int>(threadIdx.x) / CL;
+      float mine_sum = 0.f;
+      for (int i = 0; i < warps; ++i) mine_sum += s_sumsq[t][i];
+      store_cluster(&s_cl[t][blockIdx.z], threadIdx.x % CL, mine_sum);
+    }
+    cluster_arrive();
+    cluster_wait();
+  }
   if (!mine) return;
   const float w = widen_bits(w_bits, p.norm_weight_dtype);
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     if (t >= len) break;
     float total = 0.f;
-    for (int i = 0; i < warps; ++i) total += s_sumsq[t][i];
+    if constexpr (CL > 1) {
+      for (int c = 0; c < CL; ++c) total += s_cl[t][c];
+    } else {
+      for (int i = 0; i < warps; ++i) total += s_sumsq[t][i];
+    }
     float z;
     if constexpr (TT <= 2) z = widen_bits(z_bits[t], p.z_dtype);
     else z = s_z[t][threadIdx.x];
-    store_f(p.out, p.dtype, (bos + t) * p.out_stride_n + hv * p.out_stride_h + threadIdx.x,
+    store_f(p.out, p.dtype, (bos + t) * p.out_stride_n + hv * p.out_stride_h + col,
             gated_rms_norm(p, s_o[t][threadIdx.x], total, w, z));
   }
 }
@@ -231,11 +257,43 @@ int launch_vk_few_rows(const GdnDecodeParams& p, cudaStream_t stream) {
                        p, stream);
 }
 
+// A head's rows in clusters of CL blocks along z (few_cluster_blocks: sm_90+ images, the epilogue).
+template <typename ST, int BW, int TT, int CL>
+int launch_vk_few_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
+  return launch_decode(decode_vk_few_kernel<128, ST, BW, TT, CL>, request_head_grid(p, CL),
+                       dim3(static_cast<unsigned>(p.V / CL / BW) * 32), p, stream, 0, dim3(1, 1, CL));
+}
+
 // Rows a warp: 8 (a block of 16 warps a head, one an SM) where a bf16 state's pairs fit the SMs
 // once, 16 (8-warp blocks, two an SM) elsewhere. H200, 16/32 heads, T = 2, 8 -> 16 rows, µs: bf16
 // B=1 / 4 7.4 / 8.45 -> 8.0 / 9.0, B=8 14.45 -> 11.8; fp32 B=1 / 4 8.35 / 11.15 -> 8.45 / 11.1.
+// Blocks a head's rows take, in a thread block cluster, in the few-token kernel: 4 or 2 where that
+// many blocks a (request, value head) pair still fit the SMs once (vLLM's call with one draft token
+// and the epilogue, on sm_90+ images), else 1. Fewer rows a block put more SMs on a small grid's
+// state and its checkpoint stores; the epilogue's sums of squares cross the cluster through
+// distributed shared memory. H200, 16/32 heads, T = 2, µs, one block a pair -> this rule: bf16 B=1 /
+// 2 7.4 / 7.6 -> 6.5 / 7.0 (vLLM's op 8.6 / 8.75), fp32 8.45 / 9.1 -> 7.5 / 8.65 (9.8 / 10.15); more
+// blocks than the SMs lose (B=4 at 2 a pair, bf16 / fp32 8.4 / 11.0 -> 8.8 / 11.6), and 8 a pair at
+// B=1 gains less than 4 (bf16 6.5, fp32 7.7; benchmarks/results-h200-mtp.md).
+template <typename ST>
+int few_cluster_blocks(const GdnDecodeParams& p) {
+  constexpr int rows = std::is_same_v<ST, float> ? kFewRows : 8;  // a warp's, as launch_vk_few's blocks
+  if (!p.clusters || p.gate_activation <= 0 || p.idx_columns != 2) return 1;
+  const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
+  for (const int blocks : {4, 2}) {
+    if (pairs * blocks <= sms && p.V % (blocks * rows) == 0) return blocks;
+  }
+  return 1;
+}
+
 template <typename ST>
 int launch_vk_few(const GdnDecodeParams& p, cudaStream_t stream) {
+  constexpr int kClRows = std::is_same_v<ST, float> ? kFewRows : 8;
+  switch (few_cluster_blocks<ST>(p)) {
+    case 4: return launch_vk_few_cluster<ST, kClRows, 2, 4>(p, stream);
+    case 2: return launch_vk_few_cluster<ST, kClRows, 2, 2>(p, stream);
+    default: break;
+  }
   if constexpr (std::is_same_v<ST, float>) {
     if (p.idx_columns > 2) return launch_vk_few_rows<ST, kFewRows, 4>(p, stream);
   } else {

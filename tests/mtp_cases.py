@@ -65,6 +65,15 @@ def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -
     return columns == 2 and (pairs <= wave or (fp32 and pairs <= 128 * sms and full_waves))
 
 
+def few_cluster_blocks(pairs: int, sms: int, fp32: bool, columns: int, epilogue: bool, V: int = 128) -> int:
+    """kernels/mtp_few.cuh's few_cluster_blocks on an sm_90+ image: the blocks of a cluster a head's
+    rows take in the few-token kernel (1: no cluster)."""
+    rows = 16 if fp32 else 8
+    if not epilogue or columns != 2:
+        return 1
+    return next((blocks for blocks in (4, 2) if pairs * blocks <= sms and V % (blocks * rows) == 0), 1)
+
+
 @dataclass(frozen=True)
 class Case:
     """One call's options (defaults: what vLLM's MTP step passes)."""

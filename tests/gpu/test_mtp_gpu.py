@@ -33,10 +33,10 @@ each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Ne
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8 and varying T (6). Beyond
 those: T = 1 with the epilogue only (12), vLLM's T = 1 call in every range of the one-token launch
 rule (16), the streaming kernel's row groups on small grids (5), its staging-first build (8), the
-few-token kernel in each range of its launch rule (14), the epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
+few-token kernel in each range of its launch rule (14) and in clusters of 4 and 2 blocks a head (5), the epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
 paddings and against a contiguous pool bit for bit (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
 tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-125 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
+130 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
 is most of the rest, a few seconds for the largest engine batch.
 """
 
@@ -213,6 +213,28 @@ def test_the_few_token_kernel_computes_the_same_step(share, case):
     assert columns in (2, 3, 4)  # idx [N, 2], [N, 3] or [N, 4]
     assert mc.takes_the_few_token_kernel(n * pairs, sms, case.state == "fp32", columns)
     assert (n * pairs <= sms) == (share < 1) and (n * pairs > 2 * sms) == (share > 2)
+    mc.run_and_check(replace(case, N=n), DEVICE)
+
+
+# The few-token kernel's clusters (few_cluster_blocks): vLLM's call with one draft token and the
+# epilogue, 4 blocks a head where that many a pair fit the SMs once (share 0.25), 2 where only two
+# do (0.5); sm_90+ images only (elsewhere these run one block a pair, and are still checked).
+FEW_CLUSTERS = [(0.25, 4, mc.Case(H=16, tokens="T2", seed=590)),
+                (0.5, 2, mc.Case(H=16, tokens="varlen2", epilogue="sigmoid", index="int64", rule="negative", seed=591)),
+                (0.25, 4, mc.Case(H=16, tokens="T2", state="fp32", gates="pre", io="fp32", seed=592)),
+                (0.5, 2, mc.Case(H=4, tokens="varlen2", state="fp32", slots="ckpt", seed=593)),
+                (0.25, 4, mc.Case(H=4, tokens="T2", pool="contiguous", seed=594))]
+
+
+@pytest.mark.parametrize("share, blocks, case", FEW_CLUSTERS,
+                         ids=lambda x: mc.case_id(x) if isinstance(x, mc.Case) else str(x))
+def test_the_few_token_kernel_in_clusters_computes_the_same_step(share, blocks, case):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pairs = case.H * case.group
+    n = max(1, int(share * sms / pairs))
+    assert mc.takes_the_few_token_kernel(n * pairs, sms, case.state == "fp32", 2)
+    if mc.few_cluster_blocks(n * pairs, sms, case.state == "fp32", 2, epilogue=True) != blocks:
+        pytest.skip(f"{blocks} blocks a pair of {n * pairs} pairs do not fit this GPU's {sms} SMs")
     mc.run_and_check(replace(case, N=n), DEVICE)
 
 

@@ -1,7 +1,8 @@
 """The GPU tests of the few-token kernel pick their batches from a Python copy of its launch rule
 (mtp_cases.takes_the_few_token_kernel): were the two to drift apart, those tests would run another
 kernel and still pass. Here the rule itself (kernels/mtp_few.cuh, few_token_call), compiled into a
-host program, answers for every batch of a grid of calls and the copy must give the same answers."""
+host program, answers for every batch of a grid of calls and the copy must give the same answers;
+so does the rule of its clusters (few_cluster_blocks, against mtp_cases.few_cluster_blocks)."""
 
 import os
 import subprocess
@@ -24,14 +25,19 @@ int main() {
     for (int n = 1; n <= 2200; n += n < 600 ? 1 : 7) {
       cudelta::GdnDecodeParams p{};
       p.idx_columns = cols; p.state_vk = true; p.K = 128; p.V = 128; p.H = 4; p.HV = 8; p.N = n; p.sm_count = sms;
+      p.clusters = true; p.gate_activation = 1;
       const bool takes = fp32 ? cudelta::few_token_call<float>(p) : cudelta::few_token_call<__nv_bfloat16>(p);
-      std::printf("%d %d %d %lld %d\n", sms, cols, fp32, static_cast<long long>(p.N * p.HV), int(takes));
+      const int cl = fp32 ? cudelta::few_cluster_blocks<float>(p) : cudelta::few_cluster_blocks<__nv_bfloat16>(p);
+      std::printf("%d %d %d %lld %d %d\n", sms, cols, fp32, static_cast<long long>(p.N * p.HV), int(takes), cl);
     }
 }
 """
 
 
-def rule_answers(tmp_path) -> list[tuple[int, int, bool, int, bool]]:
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory) -> list[tuple[int, int, bool, int, bool, int]]:
+    """(SMs, idx columns, fp32, pairs, takes the few-token kernel, its cluster blocks) a call."""
+    tmp_path = tmp_path_factory.mktemp("few_rule")
     toolkit, why_not = toolchain.find_cuda("linux", os.environ)  # the nvcc a local build would use
     if toolkit is None:
         pytest.skip(why_not)
@@ -39,14 +45,21 @@ def rule_answers(tmp_path) -> list[tuple[int, int, bool, int, bool]]:
     subprocess.run([toolkit.nvcc, "-std=c++17", "-I", str(shipped.SOURCE_ROOT / "kernels"), "-o", str(tmp_path / "probe"),
                     str(tmp_path / "probe.cu")], check=True, capture_output=True, text=True)
     lines = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split("\n")
-    return [(int(a), int(b), c == "1", int(d), e == "1") for a, b, c, d, e in (line.split() for line in lines if line)]
+    return [(int(a), int(b), c == "1", int(d), e == "1", int(f)) for a, b, c, d, e, f in (line.split() for line in lines
+                                                                                       if line)]
 
 
-def test_the_tests_copy_of_the_few_token_rule_is_the_rule(tmp_path):
-    answers = rule_answers(tmp_path)
+def test_the_tests_copy_of_the_few_token_rule_is_the_rule(answers):
     assert len(answers) == 2 * 6 * 2 * (599 + len(range(600, 2201, 7)))
     # The grid reaches every side of the rule: both kinds of call taken and refused, each cap crossed.
-    assert {(cols, fp32) for _, cols, fp32, _, takes in answers if takes} == {(2, False), (2, True), (3, True), (4, True)}
-    assert any(pairs > 128 * sms for sms, cols, fp32, pairs, _ in answers if cols == 2 and fp32)
+    assert {(cols, fp32) for _, cols, fp32, _, takes, _ in answers if takes} == {(2, False), (2, True), (3, True),
+                                                                              (4, True)}
+    assert any(pairs > 128 * sms for sms, cols, fp32, pairs, _, _ in answers if cols == 2 and fp32)
     differ = [a for a in answers if mc.takes_the_few_token_kernel(a[3], a[0], a[2], a[1]) != a[4]]
+    assert differ == []
+
+
+def test_the_tests_copy_of_the_few_token_cluster_rule_is_the_rule(answers):
+    assert {cl for *_, cl in answers} == {1, 2, 4}  # each size reached, both SM counts
+    differ = [a for a in answers if mc.few_cluster_blocks(a[3], a[0], a[2], a[1], epilogue=True) != a[5]]
     assert differ == []
