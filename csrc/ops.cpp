@@ -215,10 +215,10 @@ Span span_of(const Tensor& t) {
 bool meets_slots(const Tensor& state, int64_t slot_stride, Span s) {
   if (s.lo == s.hi || state.numel() == 0) return false;
   const int64_t size = static_cast<int64_t>(state.element_size());
-  const Span pool = span_of(state);
+  const auto base = static_cast<int64_t>(reinterpret_cast<uintptr_t>(state.data_ptr()));
   const int64_t block = state.size(1) * state.size(2) * state.size(3) * size, stride = slot_stride * size;
-  const int64_t first = s.lo < pool.lo + block ? 0 : (s.lo - pool.lo - block) / stride + 1;
-  return first < state.size(0) && pool.lo + first * stride < s.hi;
+  const int64_t first = s.lo < base + block ? 0 : (s.lo - base - block) / stride + 1;
+  return first < state.size(0) && base + first * stride < s.hi;
 }
 
 // One decode call's arguments as the op receives them, checked and turned into the kernels'
@@ -377,17 +377,18 @@ void decode(const DecodeArgs& x) {
       {opt(x.num_accepted_tokens), "num_accepted_tokens"}, {opt(x.output_gate), "output_gate"},
       {opt(x.norm_weight), "norm_weight"}, {opt(x.g), "g"}, {opt(x.beta), "beta"}, {opt(x.a), "a"},
       {opt(x.b), "b"}, {opt(x.A_log), "A_log"}, {opt(x.dt_bias), "dt_bias"}};
-  for (const auto& [t, name] : inputs) {
-    if (t == nullptr) continue;
-    const Span s = span_of(*t);
-    CUDELTA_CHECK(!(s.lo < out_span.hi && out_span.lo < s.hi), op, ": out shares memory with ", name, accepted,
-                  " (out is written while ", name, " is still read)");
+  constexpr size_t kInputs = sizeof(inputs) / sizeof(inputs[0]);
+  Span spans[kInputs];  // an absent input's is empty: it meets nothing
+  for (size_t i = 0; i < kInputs; ++i) {
+    if (inputs[i].first == nullptr) continue;
+    spans[i] = span_of(*inputs[i].first);
+    CUDELTA_CHECK(!(spans[i].lo < out_span.hi && out_span.lo < spans[i].hi), op, ": out shares memory with ",
+                  inputs[i].second, accepted, " (out is written while ", inputs[i].second, " is still read)");
   }
-  for (const auto& [t, name] : inputs) {
-    if (t == nullptr) continue;
-    CUDELTA_CHECK(!meets_slots(state, slot_stride, span_of(*t)), op, ": ", name,
-                  " shares memory with the state pool's slots", accepted, " (the pool is written while ", name,
-                  " is still read)");
+  for (size_t i = 0; i < kInputs; ++i) {
+    CUDELTA_CHECK(!meets_slots(state, slot_stride, spans[i]), op, ": ", inputs[i].second,
+                  " shares memory with the state pool's slots", accepted, " (the pool is written while ",
+                  inputs[i].second, " is still read)");
   }
 
   ImageInfo info{};

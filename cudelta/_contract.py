@@ -264,15 +264,23 @@ def check_call(q, k, v, state, idx, layout, out, cu_seqlens=None, num_accepted_t
 
 
 def check_decode_call(call: DecodeCall, overlap: bool = True) -> Shape:
-    """check_call on a whole call value, the gates' addresses too: what the reference and the kernel
-    path both check first (overlap: as check_call's)."""
+    """check_call on a whole call value: what the reference and the kernel path both check first
+    (overlap: as check_call's, over every tensor of the call, the gates too)."""
     shape = check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
                        call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
-                       call.gate_activation, overlap)
+                       call.gate_activation, overlap=False)
     if overlap:
-        check_no_overlap(call.state, call.out, {"g": call.g, "beta": call.beta, "a": call.a, "b": call.b,
-                                                "A_log": call.A_log, "dt_bias": call.dt_bias})
+        check_call_overlap(call)
     return shape
+
+
+def check_call_overlap(call: DecodeCall) -> None:
+    """check_no_overlap over every tensor of a call value, in the C++ op's order."""
+    check_no_overlap(call.state, call.out, {
+        "q": call.q, "k": call.k, "v": call.v, "idx": call.idx, "cu_seqlens": call.cu_seqlens,
+        "num_accepted_tokens": call.num_accepted_tokens, "output_gate": call.output_gate,
+        "norm_weight": call.norm_weight, "g": call.g, "beta": call.beta, "a": call.a, "b": call.b,
+        "A_log": call.A_log, "dt_bias": call.dt_bias})
 
 
 def check_token_values(shape: Shape, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 
 from . import _native
 from ._call import DecodeCall
-from ._contract import (DEFAULT_NORM_EPS, INVALID_SLOT_RULES, LAYOUTS, check_decode_call, check_gates,
-                        check_kernel_pool, min_valid_slot)
+from ._contract import (DEFAULT_NORM_EPS, INVALID_SLOT_RULES, LAYOUTS, check_call_overlap, check_decode_call,
+                        check_gates, check_kernel_pool, min_valid_slot)
 from .reference import decode_reference
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -85,7 +85,7 @@ def _decode(call: DecodeCall) -> torch.Tensor:
     if call.q.dim() == 4 and not _viewable(out):
         # The op writes a scratch buffer here: out's own addresses are compared before it is copied.
         if not compiling:
-            check_decode_call(call)
+            check_call_overlap(call)
         scratch = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         run_kernel(call, scratch, st.variant)
         return out.copy_(scratch)

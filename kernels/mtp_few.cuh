@@ -264,9 +264,6 @@ int launch_vk_few_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
                        dim3(static_cast<unsigned>(p.V / CL / BW) * 32), p, stream, 0, dim3(1, 1, CL));
 }
 
-// Rows a warp: 8 (a block of 16 warps a head, one an SM) where a bf16 state's pairs fit the SMs
-// once, 16 (8-warp blocks, two an SM) elsewhere. H200, 16/32 heads, T = 2, 8 -> 16 rows, µs: bf16
-// B=1 / 4 7.4 / 8.45 -> 8.0 / 9.0, B=8 14.45 -> 11.8; fp32 B=1 / 4 8.35 / 11.15 -> 8.45 / 11.1.
 // Blocks a head's rows take, in a thread block cluster, in the few-token kernel: 4 or 2 where that
 // many blocks a (request, value head) pair still fit the SMs once (vLLM's call with one draft token
 // and the epilogue, on sm_90+ images), else 1. Fewer rows a block put more SMs on a small grid's
@@ -275,9 +272,12 @@ int launch_vk_few_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
 // 2 7.4 / 7.6 -> 6.5 / 7.0 (vLLM's op 8.6 / 8.75), fp32 8.45 / 9.1 -> 7.5 / 8.65 (9.8 / 10.15); more
 // blocks than the SMs lose (B=4 at 2 a pair, bf16 / fp32 8.4 / 11.0 -> 8.8 / 11.6), and 8 a pair at
 // B=1 gains less than 4 (bf16 6.5, fp32 7.7; benchmarks/results-h200-mtp.md).
+// A warp's rows in the clusters' blocks: those of launch_vk_few's blocks where pairs fit the SMs once.
+template <typename ST>
+constexpr int kFewClusterWarpRows = std::is_same_v<ST, float> ? kFewRows : 8;
 template <typename ST>
 int few_cluster_blocks(const GdnDecodeParams& p) {
-  constexpr int rows = std::is_same_v<ST, float> ? kFewRows : 8;  // a warp's, as launch_vk_few's blocks
+  constexpr int rows = kFewClusterWarpRows<ST>;
   if (!p.clusters || p.gate_activation <= 0 || p.idx_columns != 2) return 1;
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
   for (const int blocks : {4, 2}) {
@@ -286,12 +286,14 @@ int few_cluster_blocks(const GdnDecodeParams& p) {
   return 1;
 }
 
+// Rows a warp: 8 (a block of 16 warps a head, one an SM) where a bf16 state's pairs fit the SMs
+// once, 16 (8-warp blocks, two an SM) elsewhere. H200, 16/32 heads, T = 2, 8 -> 16 rows, µs: bf16
+// B=1 / 4 7.4 / 8.45 -> 8.0 / 9.0, B=8 14.45 -> 11.8; fp32 B=1 / 4 8.35 / 11.15 -> 8.45 / 11.1.
 template <typename ST>
 int launch_vk_few(const GdnDecodeParams& p, cudaStream_t stream) {
-  constexpr int kClRows = std::is_same_v<ST, float> ? kFewRows : 8;
   switch (few_cluster_blocks<ST>(p)) {
-    case 4: return launch_vk_few_cluster<ST, kClRows, 2, 4>(p, stream);
-    case 2: return launch_vk_few_cluster<ST, kClRows, 2, 2>(p, stream);
+    case 4: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST>, 2, 4>(p, stream);
+    case 2: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST>, 2, 2>(p, stream);
     default: break;
   }
   if constexpr (std::is_same_v<ST, float>) {
