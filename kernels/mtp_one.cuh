@@ -25,7 +25,8 @@ constexpr int kMaxOneRows = 128;
 // num_accepted_tokens 1, so the start slot is idx[n, 0], the one the token's state is stored at
 // (no second load of it, no second validity check).
 //
-// decode_vk_one_kernel, small grids: a block of V / BW warps a (request, value head). The warps keep
+// decode_vk_one_kernel, small grids: a block of V / (BW * TPW) warps a (request, value head), each
+// TPW tiles of BW rows. The warps keep
 // their outputs in shared memory and meet once, after their state stores are issued; the barrier
 // waits on the block's slowest warp, not on memory traffic. One launch: the latency regime's choice.
 // The blocks an SM decode_vk_one_kernel's launch bound asks ptxas for: none (0: the bound's thread
@@ -41,8 +42,18 @@ __host__ __device__ constexpr int one_kernel_min_blocks() {
 #endif
 }
 
-template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM>
-__global__ void __launch_bounds__(512, (one_kernel_min_blocks<ST, BW>())) decode_vk_one_kernel(const GdnDecodeParams p) {
+// The launch bound of decode_vk_one_kernel: 512 threads for the warps of one tile (BW rows), the
+// bound their builds were measured with; the warps of TPW tiles at their block's own size (the fp32
+// build of two 8-row tiles, 8 warps: ptxas keeps it in 119-128 registers, no spill).
+template <int BW, int TPW>
+__host__ __device__ constexpr int one_kernel_threads() {
+  return TPW == 1 ? 512 : 32 * kMaxOneRows / (BW * TPW);
+}
+
+template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1>
+__global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW>()))
+    decode_vk_one_kernel(const GdnDecodeParams p) {
+  static_assert(BW * TPW >= kMaxOneRows / 16, "at most 16 warps a head");
   __shared__ float s_o[kMaxOneRows];
   __shared__ float s_sumsq[16];
   pdl_enter();
@@ -56,7 +67,7 @@ __global__ void __launch_bounds__(512, (one_kernel_min_blocks<ST, BW>())) decode
   const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
   const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
   TileEpilogue epi{s_o, 0.f};
-  warp_step<K, ST, BW, PER_CHANNEL, 1, STREAM, true, false>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start,
+  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start,
                                                             start, &epi);
   if (threadIdx.x % 32 == 0) s_sumsq[warp] = epi.sumsq;
   __syncthreads();
@@ -70,28 +81,39 @@ __global__ void __launch_bounds__(512, (one_kernel_min_blocks<ST, BW>())) decode
   store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
 }
 
+// The blocks an SM decode_vk_one_warp_kernel's launch bound asks for: the warp kernel's count
+// (warp_min_blocks, one-warp blocks) shared among blocks of WPB warps.
+template <int K, typename ST, int BW, int TPW, int WPB>
+constexpr int one_warp_min_blocks() {
+  return warp_min_blocks<K, ST, BW, TPW>() / WPB > 0 ? warp_min_blocks<K, ST, BW, TPW>() / WPB : 1;
+}
+
 // decode_vk_one_warp_kernel, larger grids: the warp kernel's grid of one-warp blocks (no barrier, so
 // an SM's warps never wait on each other), its outputs stored rounded; the epilogue follows as
 // gated_rms_norm_kernel, which reads them back (a few MB beside the state's hundreds).
-// CLUSTER_EPI: the epilogue in the same launch instead: a head's V / (BW * TPW) blocks (at most 8,
-// the portable size) are a thread block cluster, and each block sends the sum of its rows' squares
-// to every block of it through distributed shared memory, so that each block takes the mean over V
-// itself (sm_90+ images). It saves the second launch, which dominates small grids (H100, T=1, B=1,
+// CLUSTER_EPI: the epilogue in the same launch instead: a head's V / (BW * TPW * WPB) blocks (at
+// most 8, the portable size) of WPB warps are a thread block cluster, and each warp sends the sum of
+// its rows' squares to every block of it through distributed shared memory, so that each block takes
+// the mean over V itself (sm_90+ images). WPB > 1 gives the cluster more warps than blocks. It saves the second launch, which dominates small grids (H100, T=1, B=1,
 // 16/32 heads: bf16 6.3 -> 5.4 µs with the evict-first state (6.0 without), fp32 7.2 -> 6.4); in
 // large ones the clusters of one-warp blocks cost far more than it (bf16 B=512: 388 -> 580 µs; B=4
 // already 6.7 -> 9.9 against the block kernel), so launch_vk_one takes it only below half a
 // (request, head) pair an SM.
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool CLUSTER_EPI = false>
-__global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_one_warp_kernel(const GdnDecodeParams p) {
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool CLUSTER_EPI = false, int WPB = 1>
+__global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW, WPB>()))
+    decode_vk_one_warp_kernel(const GdnDecodeParams p) {
+  static_assert(WPB == 1 || CLUSTER_EPI, "blocks of several warps only in clusters");
   constexpr int ROWS = BW * TPW;
   __shared__ float s_o[CLUSTER_EPI ? kMaxOneRows : 1];
   __shared__ float s_ss[CLUSTER_EPI ? kMaxOneRows / ROWS : 1];
   pdl_enter();
   const int64_t n = blockIdx.z, hv = blockIdx.y;
-  const int64_t row0 = int64_t(blockIdx.x) * ROWS;
+  // The warp's tile group: WPB warps a block, blocks along x.
+  const uint32_t g = blockIdx.x * WPB + threadIdx.x / 32;
+  const int64_t row0 = int64_t(g) * ROWS;
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t tok = first; tok < end; ++tok) {
-      for (int r = threadIdx.x; r < ROWS; r += 32) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + row0 + r, 0.f);
+      for (int r = threadIdx.x % 32; r < ROWS; r += 32) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + row0 + r, 0.f);
     }
   };
   int64_t bos, len, start;
@@ -99,27 +121,27 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decod
   if (!request_span(p, n, zero_rows, bos, len, start)) return;
   const int64_t h = qk_head(p, static_cast<uint32_t>(hv));
   if constexpr (!CLUSTER_EPI) {
-    warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, blockIdx.x, hv, h, bos, start, start);
+    warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, g, hv, h, bos, start, start);
   } else {
     // Distributed shared memory is written only once every block of the cluster runs: this arrival
     // is waited for after the step.
     cluster_arrive_relaxed();
-    const int lane = static_cast<int>(threadIdx.x);
+    const int lane = static_cast<int>(threadIdx.x % 32);
     const bool mine = lane < ROWS;
     const uint32_t z_bits = mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + row0 + lane) : 0u;
     const uint32_t w_bits = mine ? load_bits(p.norm_weight, p.norm_weight_dtype, row0 + lane) : 0u;
     TileEpilogue epi{s_o, 0.f};
-    warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false>(p, blockIdx.x, hv, h, bos, start, start, &epi);
+    warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false>(p, g, hv, h, bos, start, start, &epi);
     cluster_wait();
-    // Block g's sum goes to slot g of every block; each adds them in slot order (outputs do not
-    // depend on which block finished first).
+    // Warp g's sum goes to slot g of every block; each adds them in slot order (outputs do not
+    // depend on which warp finished first).
     const unsigned blocks = gridDim.x;
-    if (static_cast<unsigned>(lane) < blocks) store_cluster(&s_ss[blockIdx.x], static_cast<unsigned>(lane), epi.sumsq);
+    if (static_cast<unsigned>(lane) < blocks) store_cluster(&s_ss[g], static_cast<unsigned>(lane), epi.sumsq);
     cluster_arrive();
     cluster_wait();
     if (!mine) return;
     float total = 0.f;
-    for (unsigned i = 0; i < blocks; ++i) total += s_ss[i];
+    for (unsigned i = 0; i < blocks * WPB; ++i) total += s_ss[i];
     const float o = gated_rms_norm(p, s_o[row0 + lane], total, widen_bits(w_bits, p.norm_weight_dtype),
                                    widen_bits(z_bits, p.z_dtype));
     store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + row0 + lane, o);
@@ -168,10 +190,10 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
   }
 }
 
-template <int K, typename ST, int BW, bool STREAM>
+template <int K, typename ST, int BW, bool STREAM, int TPW = 1>
 int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM> : decode_vk_one_kernel<K, ST, BW, false, STREAM>;
-  return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / BW) * 32), p, stream);
+  auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM, TPW> : decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>;
+  return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / (BW * TPW)) * 32), p, stream);
 }
 
 // The grid decode_vk_one_warp_kernel reads: a head's V / (BW * TPW) blocks along x, heads along y,
@@ -192,18 +214,19 @@ int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
 
 // The one-warp grid with the epilogue in clusters of a head's blocks (CLUSTER_EPI): sm_90+ images,
 // at most 8 blocks a head (V / (BW * TPW)).
-template <int K, typename ST, int BW, int TPW, bool STREAM>
+template <int K, typename ST, int BW, int TPW, bool STREAM, int WPB = 1>
 int launch_vk_one_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM, true>
-                                : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM, true>;
-  const dim3 grid = one_warp_grid<BW, TPW>(p);
-  return launch_decode(kernel, grid, dim3(32), p, stream, 0, dim3(grid.x, 1, 1));
+  auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM, true, WPB>
+                                : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM, true, WPB>;
+  const dim3 grid(static_cast<unsigned>(p.V / (BW * TPW * WPB)), static_cast<unsigned>(p.HV), request_blocks(p));
+  return launch_decode(kernel, grid, dim3(32 * WPB), p, stream, 0, dim3(grid.x, 1, 1));
 }
 
-// Whether the one-warp grid of BW * TPW rows a block can take the epilogue in clusters.
-template <int BW, int TPW>
+// Whether the one-warp grid of BW * TPW rows a warp, WPB warps a block, can take the epilogue in
+// clusters (at most 8 blocks a head, whole blocks).
+template <int BW, int TPW, int WPB = 1>
 bool one_cluster_fits(const GdnDecodeParams& p) {
-  return p.gate_activation > 0 && p.clusters && p.V / (BW * TPW) <= 8;
+  return p.gate_activation > 0 && p.clusters && p.V % (BW * TPW * WPB) == 0 && p.V / (BW * TPW * WPB) <= 8;
 }
 
 // Whether a call takes a one-token kernel: at most one token a request, layout vk, K = 128 (the head
@@ -215,7 +238,9 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 
 // Which one-token kernel and build. bf16 state takes the block kernel from half a (request, head)
 // pair an SM to eight (fewer leave SMs idle: a block a pair); with the epilogue, fp32 state takes it
-// too, 16-warp blocks up to a pair an SM and 8-warp blocks up to sixteen (its second launch costs
+// too, 16-warp blocks up to a pair an SM and 8-warp blocks of two 8-row tiles a warp (the warp
+// kernel's build there) up to sixteen (H200, 16/32 heads, µs: against 8 warps of one 16-row tile,
+// B=8 / 16 / 32 / 64 12.2 / 21.65 / 38.65 / 72.05 -> 11.65 / 21.25 / 38.25 / 71.7; its second launch costs
 // more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
 // 64 41.4 / 76.0 -> 40.1 / 75.0 µs; bf16 B=32, 7.8 pairs an SM, 26.6 -> 24.2 µs, but at B=64 47.0
 // against 45.6 µs for the split). bf16 blocks are 8 warps of 16 rows up to two pairs an SM, 16 warps
@@ -224,7 +249,13 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // 27.1; sm_100 and later build it with one_kernel_min_blocks). Elsewhere the warp kernel's builds
 // and the separate epilogue (H100, benchmarks/results-h100-mtp.md); below half a pair an SM with the
 // epilogue, on sm_90+ images, the one-warp grid with the epilogue in clusters instead
-// (decode_vk_one_warp_kernel, CLUSTER_EPI).
+// (decode_vk_one_warp_kernel, CLUSTER_EPI): bf16 8 one-warp blocks of 16 rows a head, fp32 8 blocks
+// of two 8-row warps (against one-warp blocks of two 8-row tiles: B=1 5.7 -> 5.45 µs, B=2 level).
+// Tried on the H200 and not kept (benchmarks/results-h200-mtp.md): bf16 in two-warp cluster blocks
+// (B=1-2 level to +1.6%) or in block kernels of two-tile warps (B=16 +3.5%); fp32 in clusters of
+// 4-warp blocks of 4 rows a warp (the decode alone's tile; B=1 worse than two warps of 8), in
+// 32-warp block kernels at a pair an SM (B=4 +9%, +15% without the evict-first state), and clusters
+// up to a pair an SM (B=4 +32%, bf16 +52%).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
@@ -233,9 +264,9 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   // whose grid holds them on x (launch_gdn_decode does not split multi-token calls).
   if (request_blocks(p) > kMaxGridYZ) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
   if constexpr (std::is_same_v<ST, float>) {
-    if (pairs < sms / 2 && one_cluster_fits<8, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 2, true>(p, stream);
+    if (pairs < sms / 2 && one_cluster_fits<8, 1, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 1, true, 2>(p, stream);
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
-    if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 8, true, 2>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
