@@ -25,33 +25,39 @@ constexpr int kMaxOneRows = 128;
 // num_accepted_tokens 1, so the start slot is idx[n, 0], the one the token's state is stored at
 // (no second load of it, no second validity check).
 //
-// decode_vk_one_kernel, small grids: a block of V / (BW * TPW) warps a (request, value head), each
-// TPW tiles of BW rows. The warps keep
-// their outputs in shared memory and meet once, after their state stores are issued; the barrier
-// waits on the block's slowest warp, not on memory traffic. One launch: the latency regime's choice.
+// decode_vk_one_kernel: a block of V / (BW * TPW) warps a (request, value head), each TPW tiles of
+// BW rows. The warps keep their outputs in shared memory and meet once, after their state stores are
+// issued; the barrier waits on the block's slowest warp, not on memory traffic. One launch: the
+// latency regime's choice, and with a bf16 state and the epilogue every batch's from half a pair an
+// SM (launch_vk_one).
 // The blocks an SM decode_vk_one_kernel's launch bound asks ptxas for: none (0: the bound's thread
 // count alone) but for the bf16 build of 16 warps (BW = 8) on sm_100 and later, where ptxas kept it
-// at 64 registers and spilled 4 bytes a thread without it; sm_80 and sm_90a do not spill, and their
-// cubins are the same with or without it.
-template <typename ST, int BW>
+// at 64 registers and spilled 4 bytes a thread without it, and for the bf16 build of two 16-row
+// tiles (BW = 16, TPW = 2) on sm_80, where it kept one of them at 128 and spilled 4 bytes (3 blocks of
+// 4 warps: up to 168 registers); sm_90a does not spill, and its cubins are the same with or without
+// them.
+template <typename ST, int BW, int TPW = 1>
 __host__ __device__ constexpr int one_kernel_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
   return !std::is_same_v<ST, float> && BW == 8 ? 1 : 0;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return !std::is_same_v<ST, float> && BW == 16 && TPW == 2 ? 3 : 0;
 #else
   return 0;
 #endif
 }
 
 // The launch bound of decode_vk_one_kernel: 512 threads for the warps of one tile (BW rows), the
-// bound their builds were measured with; the warps of TPW tiles at their block's own size (the fp32
-// build of two 8-row tiles, 8 warps: ptxas keeps it in 119-128 registers, no spill).
+// bound their builds were measured with; the warps of TPW tiles at their block's own size (sm_90a,
+// no spill: fp32, two 8-row tiles, 8 warps, 119-128 registers; bf16, two 16-row tiles, 4 warps, up
+// to 148).
 template <int BW, int TPW>
 __host__ __device__ constexpr int one_kernel_threads() {
   return TPW == 1 ? 512 : 32 * kMaxOneRows / (BW * TPW);
 }
 
 template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1>
-__global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW>()))
+__global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW, TPW>()))
     decode_vk_one_kernel(const GdnDecodeParams p) {
   static_assert(BW * TPW >= kMaxOneRows / 16, "at most 16 warps a head");
   __shared__ float s_o[kMaxOneRows];
@@ -246,7 +252,11 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // against 45.6 µs for the split). bf16 blocks are 8 warps of 16 rows up to two pairs an SM, 16 warps
 // of 8 rows beyond (H100, the compat call, µs: B=16 / 32 16.5 / 28.6 -> 16.0 / 28.1; B=4 6.7 ->
 // 7.0, B=8 even; on an H200 at an older commit 16 warps had lost at B=16-32, 14.3 / 26.2 -> 15.4 /
-// 27.1; sm_100 and later build it with one_kernel_min_blocks). Elsewhere the warp kernel's builds
+// 27.1; sm_100 and later build it with one_kernel_min_blocks), and with the epilogue past eight pairs
+// an SM 4 warps of two 16-row tiles, the evict-first state up to 32 pairs an SM (H200, 16/32 heads,
+// µs, against the one-warp grid and the separate epilogue: B=64 / 128 / 256 / 512 41.2 / 75.5 /
+// 144.2 / 286.65 -> 40.1 / 74.45 / 142.65 / 278.8; the evict-first state to 64 pairs an SM lost
+// 0.5% at B=256). Elsewhere the warp kernel's builds
 // and the separate epilogue (H100, benchmarks/results-h100-mtp.md); below half a pair an SM with the
 // epilogue, on sm_90+ images, the one-warp grid with the epilogue in clusters instead
 // (decode_vk_one_warp_kernel, CLUSTER_EPI): bf16 8 one-warp blocks of 16 rows a head, fp32 8 blocks
@@ -275,6 +285,8 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
     if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
     if (pairs <= 2 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
+    if (epilogue && pairs <= 32 * sms) return launch_vk_one_rows<128, ST, 16, true, 2>(p, stream);
+    if (epilogue) return launch_vk_one_rows<128, ST, 16, false, 2>(p, stream);
     if (pairs <= 64 * sms) return launch_vk_one_split<128, ST, 16, 1, true>(p, stream);
     return launch_vk_one_split<128, ST, 16, 1, false>(p, stream);
   }

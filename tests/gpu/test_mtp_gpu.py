@@ -120,8 +120,8 @@ def test_one_token_with_the_epilogue_only(case):
 
 # vLLM's T = 1 call (idx [N, 1], num_accepted_tokens) at Qwen3-Next's heads (HV = 32) with N chosen
 # from this GPU's SM count so that the (request, value head) pairs land inside each range of the
-# one-token launch rule (kernels/mtp_one.cuh, launch_vk_one: <= sms/2, <= sms, <= 2, 8, 16, 64 sms,
-# more; with the epilogue the first is the clustered one-warp grid on sm_90+): each range runs
+# one-token launch rule (kernels/mtp_one.cuh, launch_vk_one: <= sms/2, <= sms, <= 2, 8, 16, 32, 64
+# sms, more; with the epilogue the first is the clustered one-warp grid on sm_90+): each range runs
 # another kernel or build, and each must compute the same step.
 PAIRS_PER_SM = (0.4, 0.9, 3, 10, 40, 70)
 ONE_TOKEN_RANGES = ([(state, x, "silu") for state in ("bf16", "fp32") for x in PAIRS_PER_SM]
