@@ -242,30 +242,31 @@ inline bool one_token_call(const GdnDecodeParams& p) {
   return one && p.state_vk && p.K == 128 && p.V % 16 == 0 && p.V <= kMaxOneRows;
 }
 
-// Which one-token kernel and build. bf16 state takes the block kernel from half a (request, head)
-// pair an SM to eight (fewer leave SMs idle: a block a pair); with the epilogue, fp32 state takes it
-// too, 16-warp blocks up to a pair an SM and 8-warp blocks of two 8-row tiles a warp (the warp
-// kernel's build there) up to sixteen (H200, 16/32 heads, µs: against 8 warps of one 16-row tile,
-// B=8 / 16 / 32 / 64 12.2 / 21.65 / 38.65 / 72.05 -> 11.65 / 21.25 / 38.25 / 71.7; its second launch costs
-// more there than the barrier: H200, B=4..16 at HV=32, 0.92-0.95x -> 1.02-1.10x vLLM's op; B=32 and
-// 64 41.4 / 76.0 -> 40.1 / 75.0 µs; bf16 B=32, 7.8 pairs an SM, 26.6 -> 24.2 µs, but at B=64 47.0
-// against 45.6 µs for the split). bf16 blocks are 8 warps of 16 rows up to two pairs an SM, 16 warps
-// of 8 rows beyond (H100, the compat call, µs: B=16 / 32 16.5 / 28.6 -> 16.0 / 28.1; B=4 6.7 ->
-// 7.0, B=8 even; on an H200 at an older commit 16 warps had lost at B=16-32, 14.3 / 26.2 -> 15.4 /
-// 27.1; sm_100 and later build it with one_kernel_min_blocks), and with the epilogue past eight pairs
-// an SM 4 warps of two 16-row tiles, the evict-first state up to 32 pairs an SM (H200, 16/32 heads,
-// µs, against the one-warp grid and the separate epilogue: B=64 / 128 / 256 / 512 41.2 / 75.5 /
-// 144.2 / 286.65 -> 40.1 / 74.45 / 142.65 / 278.8; the evict-first state to 64 pairs an SM lost
-// 0.5% at B=256). Elsewhere the warp kernel's builds
-// and the separate epilogue (H100, benchmarks/results-h100-mtp.md); below half a pair an SM with the
-// epilogue, on sm_90+ images, the one-warp grid with the epilogue in clusters instead
-// (decode_vk_one_warp_kernel, CLUSTER_EPI): bf16 8 one-warp blocks of 16 rows a head, fp32 8 blocks
-// of two 8-row warps (against one-warp blocks of two 8-row tiles: B=1 5.7 -> 5.45 µs, B=2 level).
-// Tried on the H200 and not kept (benchmarks/results-h200-mtp.md): bf16 in two-warp cluster blocks
-// (B=1-2 level to +1.6%) or in block kernels of two-tile warps (B=16 +3.5%); fp32 in clusters of
-// 4-warp blocks of 4 rows a warp (the decode alone's tile; B=1 worse than two warps of 8), in
-// 32-warp block kernels at a pair an SM (B=4 +9%, +15% without the evict-first state), and clusters
-// up to a pair an SM (B=4 +32%, bf16 +52%).
+// Which one-token kernel and build, by (request, head) pairs an SM (numbers: µs, 16/32 heads unless
+// said; benchmarks/results-h200-mtp.md and results-h100-mtp.md):
+// - Below half a pair an SM with the epilogue, on sm_90+ images: the one-warp grid with the
+//   epilogue in clusters (decode_vk_one_warp_kernel, CLUSTER_EPI): bf16 8 one-warp blocks of 16 rows
+//   a head, fp32 8 blocks of two 8-row warps (H200, against one-warp blocks of two 8-row tiles: B=1
+//   5.7 -> 5.45, B=2 level).
+// - bf16 from there to eight pairs an SM: the block kernel (fewer leave SMs idle: a block a pair),
+//   8 warps of 16 rows up to two pairs an SM, 16 warps of 8 rows beyond (H100, the compat call: B=16
+//   / 32 16.5 / 28.6 -> 16.0 / 28.1; B=4 6.7 -> 7.0, B=8 even; on an H200 at an older commit 16 warps
+//   had lost at B=16-32, 14.3 / 26.2 -> 15.4 / 27.1; sm_100 and later build it with
+//   one_kernel_min_blocks). With the epilogue, past eight pairs an SM too: 4 warps of two 16-row
+//   tiles, the evict-first state up to 32 pairs an SM (H200, against the one-warp grid and the
+//   separate epilogue: B=64 / 128 / 256 / 512 41.2 / 75.5 / 144.2 / 286.65 -> 40.1 / 74.45 / 142.65
+//   / 278.8; the evict-first state to 64 pairs an SM lost 0.5% at B=256).
+// - fp32 with the epilogue: the block kernel too, 16 warps of 8 rows up to a pair an SM and 8 warps
+//   of two 8-row tiles (the warp kernel's build there) up to sixteen, where the separate epilogue's
+//   second launch cost more than the barrier (H200, HV=32: B=4..16 0.92-0.95x -> 1.02-1.10x vLLM's
+//   op at an older commit; two 8-row tiles against one 16-row tile, B=8 / 16 / 32 / 64 12.2 / 21.65 /
+//   38.65 / 72.05 -> 11.65 / 21.25 / 38.25 / 71.7).
+// - Elsewhere the warp kernel's builds, and the separate epilogue (gated_rms_norm_kernel).
+// Tried on the H200 and not kept: bf16 in two-warp cluster blocks (B=1-2 level to +1.6%) or in block
+// kernels of two-tile warps to eight pairs an SM (B=16 +3.5%); fp32 in clusters of 4-warp blocks of
+// 4 rows a warp (the decode alone's tile; B=1 worse than two warps of 8), in 32-warp block kernels at
+// a pair an SM (B=4 +9%, +15% without the evict-first state); clusters up to a pair an SM (B=4 fp32
+// +32%, bf16 +52%).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
