@@ -202,11 +202,11 @@ int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / (BW * TPW)) * 32), p, stream);
 }
 
-// The grid decode_vk_one_warp_kernel reads: a head's V / (BW * TPW) blocks along x, heads along y,
-// requests along z.
-template <int BW, int TPW>
+// The grid decode_vk_one_warp_kernel reads: a head's V / (BW * TPW * WPB) blocks of WPB warps along
+// x, heads along y, requests along z.
+template <int BW, int TPW, int WPB = 1>
 dim3 one_warp_grid(const GdnDecodeParams& p) {
-  return dim3(static_cast<unsigned>(p.V / (BW * TPW)), static_cast<unsigned>(p.HV), request_blocks(p));
+  return dim3(static_cast<unsigned>(p.V / (BW * TPW * WPB)), static_cast<unsigned>(p.HV), request_blocks(p));
 }
 
 template <int K, typename ST, int BW, int TPW, bool STREAM>
@@ -224,7 +224,7 @@ template <int K, typename ST, int BW, int TPW, bool STREAM, int WPB = 1>
 int launch_vk_one_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM, true, WPB>
                                 : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM, true, WPB>;
-  const dim3 grid(static_cast<unsigned>(p.V / (BW * TPW * WPB)), static_cast<unsigned>(p.HV), request_blocks(p));
+  const dim3 grid = one_warp_grid<BW, TPW, WPB>(p);
   return launch_decode(kernel, grid, dim3(32 * WPB), p, stream, 0, dim3(grid.x, 1, 1));
 }
 
