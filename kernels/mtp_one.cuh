@@ -100,11 +100,12 @@ constexpr int one_warp_min_blocks() {
 // CLUSTER_EPI: the epilogue in the same launch instead: a head's V / (BW * TPW * WPB) blocks (at
 // most 8, the portable size) of WPB warps are a thread block cluster, and each warp sends the sum of
 // its rows' squares to every block of it through distributed shared memory, so that each block takes
-// the mean over V itself (sm_90+ images). WPB > 1 gives the cluster more warps than blocks. It saves the second launch, which dominates small grids (H100, T=1, B=1,
-// 16/32 heads: bf16 6.3 -> 5.4 µs with the evict-first state (6.0 without), fp32 7.2 -> 6.4); in
-// large ones the clusters of one-warp blocks cost far more than it (bf16 B=512: 388 -> 580 µs; B=4
-// already 6.7 -> 9.9 against the block kernel), so launch_vk_one takes it only below half a
-// (request, head) pair an SM.
+// the mean over V itself (sm_90+ images). WPB > 1 gives the cluster more warps than blocks. It
+// saves the second launch, which dominates small grids (H100, T=1, B=1, 16/32 heads: bf16
+// 6.3 -> 5.4 µs with the evict-first state (6.0 without), fp32 7.2 -> 6.4); in large ones the
+// clusters of one-warp blocks cost far more than it (bf16 B=512: 388 -> 580 µs; B=4 already
+// 6.7 -> 9.9 against the block kernel), so launch_vk_one takes it only below half a (request, head)
+// pair an SM.
 template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool CLUSTER_EPI = false, int WPB = 1>
 __global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW, WPB>()))
     decode_vk_one_warp_kernel(const GdnDecodeParams p) {
@@ -219,7 +220,7 @@ int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
 }
 
 // The one-warp grid with the epilogue in clusters of a head's blocks (CLUSTER_EPI): sm_90+ images,
-// at most 8 blocks a head (V / (BW * TPW)).
+// at most 8 blocks a head (V / (BW * TPW * WPB)).
 template <int K, typename ST, int BW, int TPW, bool STREAM, int WPB = 1>
 int launch_vk_one_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM, true, WPB>
