@@ -219,7 +219,7 @@ def run_parent(args) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
-        dump = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        dump = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "method": method,
                 "median": [dict(zip(("state", "B", "T", "impl"), k), us=v, spread=merged.spread[k],
                                 runs=merged.runs[k]) for k, v in merged.median.items()],
                 "processes": runs}

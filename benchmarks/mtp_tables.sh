@@ -7,9 +7,10 @@
 #
 # Environment: HEADS (16/32 4/8 32/32 16/64), PROCS (3), TESTS (tests/gpu/test_mtp_gpu.py; "none"
 # skips them), ARCH (9.0a), STOP_AFTER (seconds: no new head shape starts past it; 400, so that a
-# call stays inside the device's 10-minute limit). What comes back, in $OUT or /tmp/tables: tests.txt
-# and mtp-H-HV.md a head shape, at most five files (the device returns at most 8). Exits 1 when the
-# tests fail or a head shape's run does (what did finish still comes back).
+# call stays inside the device's 10-minute limit). What comes back, in $OUT or /tmp/tables: tests.txt,
+# mtp-H-HV.md a head shape, and numbers.tar.gz, their per-process numbers (mtp-H-HV.json, what
+# mtp_bench.py writes beside its tables; one archive since the device returns at most 8 files). Exits 1
+# when the tests fail or a head shape's run does (what did finish still comes back).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/tables}; work=$(mktemp -d); mkdir -p "$out"
@@ -37,4 +38,5 @@ for heads in ${HEADS:-16/32 4/8 32/32 16/64}; do
   echo "mtp $heads rc=$rc at $(( $(date +%s) - t0 )) s"
   grep "^- never slower" "$out/mtp-$tag.md" 2>/dev/null | cut -c1-200 || tail -5 "$work/mtp-$tag.log"
 done
+(cd "$work" && find . -maxdepth 1 -name 'mtp-*.json' -printf '%f\n' | sort | tar -czf "$out/numbers.tar.gz" -T -)
 exit "$status"

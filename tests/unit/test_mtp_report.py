@@ -2,6 +2,8 @@
 that moves as many, the medians over processes, and the tables and targets read off them; and
 mtp_bench.py's command line (its module imports no torch until a worker runs)."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -94,6 +96,38 @@ def test_the_targets_name_every_cell_that_misses():
     assert lines[2] == "- >= 93% of copy at B·T >= 256: met in all 2 cells"
     assert lines[3] == ("- T=1 + epilogue within 5% of cudelta's T=1 decode alone: MISSED in 1 of 2 cells: "
                         "bf16 B=512 T=1 +11.1%")
+
+
+def test_a_missed_1_5x_says_where_it_would_need_more_than_the_copy_s_bandwidth():
+    # B=1: vLLM's op at 35% of copy, so 1.5x needs 53% (cudelta 50%); B=8: vLLM at 70%, 1.5x needs 105%
+    m = r.merge_runs([run([times(BF16, 1, 1, cudelta=5.0, vllm_cuda=7.0, copy=2.5),
+                           times(BF16, 8, 1, cudelta=8.0, vllm_cuda=9.0, copy=6.3),
+                           times(BF16, 4, 1, cudelta=4.0, vllm_cuda=6.4, copy=3.2)])])
+    lines = r.target_lines(m, [BF16], [1, 4, 8], [1])
+    assert lines[1].startswith("- >= 1.5x vLLM's CUDA op at B <= 8: MISSED in 2 of 3 cells: bf16 B=1 T=1 1.40x")
+    assert lines[2] == ("  - 1.5x vLLM's op means 1.5 times its share of copy: beyond the copy in 1 of the 2 cells "
+                        "missed (bf16 B=8 T=1 105%); under it in 1 (bf16 B=1 T=1 54%, cudelta 50%)")
+    assert lines[3].startswith("- >= 93% of copy")
+
+
+def test_no_reach_line_when_the_1_5x_target_is_met_or_the_copy_was_not_timed():
+    m = r.merge_runs([run([times(BF16, 1, 1, cudelta=5.0, vllm_cuda=7.0)])])  # no copy: no shares
+    lines = r.target_lines(m, [BF16], [1], [1])
+    assert lines[1].startswith("- >= 1.5x vLLM's CUDA op at B <= 8: MISSED in 1 of 1 cells")
+    assert not any(line.startswith("  - ") for line in lines)
+
+
+def test_the_report_renders_again_from_mtp_bench_s_json(tmp_path):
+    dump = {"args": {"states": [BF16], "batches": [8, 512], "tokens": [1, 2], "heads": [4, 8]},
+            "method": "Pool: as in the test.", "processes": [grid_run(), grid_run()]}
+    path = tmp_path / "mtp-4-8.json"
+    path.write_text(json.dumps(dump))
+    text = r.render_dump(json.loads(path.read_text()))
+    assert text == r.render_report(r.merge_runs([grid_run()] * 2), [BF16], [8, 512], [1, 2], "Pool: as in the test.",
+                                   heads=(4, 8))
+    assert text.startswith("MTP decode step (H=4, HV=8,") and "median of 2 processes" in text
+    done = subprocess.run([sys.executable, str(Path(r.__file__)), str(path)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == text
 
 
 def test_a_peer_that_cannot_load_and_cudelta_refusing_the_step_are_skip_lines_not_numbers():
