@@ -314,7 +314,7 @@ def speedup_reach(m: Merged, cells: list[tuple[str, int, int]]) -> str:
         text += " (" + ", ".join(f"{_cell_name(*c)} {need[c]:.0f}%" for c in beyond) + ")"
     if within:
         text += f"; under it in {len(within)} (" + ", ".join(
-            f"{_cell_name(*c)} {need[c]:.0f}%, cudelta {pct(m, *c, CUDELTA):.0f}%" for c in within) + ")"
+            f"{_cell_name(*c)} {need[c]:.0f}% (cudelta {pct(m, *c, CUDELTA):.0f}%)" for c in within) + ")"
     return text
 
 

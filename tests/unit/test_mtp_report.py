@@ -106,7 +106,7 @@ def test_a_missed_1_5x_says_where_it_would_need_more_than_the_copy_s_bandwidth()
     lines = r.target_lines(m, [BF16], [1, 4, 8], [1])
     assert lines[1].startswith("- >= 1.5x vLLM's CUDA op at B <= 8: MISSED in 2 of 3 cells: bf16 B=1 T=1 1.40x")
     assert lines[2] == ("  - 1.5x vLLM's op means 1.5 times its share of copy: beyond the copy in 1 of the 2 cells "
-                        "missed (bf16 B=8 T=1 105%); under it in 1 (bf16 B=1 T=1 54%, cudelta 50%)")
+                        "missed (bf16 B=8 T=1 105%); under it in 1 (bf16 B=1 T=1 54% (cudelta 50%))")
     assert lines[3].startswith("- >= 93% of copy")
 
 
