@@ -17,6 +17,7 @@ import re
 import statistics
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 CUDELTA = "cudelta"  # cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp
 VLLM_CUDA = "vllm-cuda"  # torch.ops._C.fused_gdn_decode_post_conv_mtp from vLLM's wheel
@@ -302,19 +303,19 @@ def speedup_reach(m: Merged, cells: list[tuple[str, int, int]]) -> str:
     """Where the 1.5x cells missed stand against the copy: cudelta at 1.5x vLLM's speed would move
     the step's bytes at 1.5 times vLLM's share of the copy's bandwidth, past 100% where vLLM's op
     already runs at 2/3 of it or more. '' when no missed cell has both shares."""
-    need = {c: TARGET_SPEEDUP_SMALL_B * p for c in cells if (p := pct(m, *c, VLLM_CUDA)) is not None
-            and pct(m, *c, CUDELTA) is not None}
-    if not need:
+    shares = {c: (TARGET_SPEEDUP_SMALL_B * v, own) for c in cells
+              if (v := pct(m, *c, VLLM_CUDA)) is not None and (own := pct(m, *c, CUDELTA)) is not None}
+    if not shares:
         return ""
-    beyond = [c for c in need if need[c] > 100.0]
-    within = [c for c in need if need[c] <= 100.0]
+    beyond = [(c, need) for c, (need, _) in shares.items() if need > 100.0]
+    within = [(c, need, own) for c, (need, own) in shares.items() if need <= 100.0]
     text = (f"  - {TARGET_SPEEDUP_SMALL_B}x vLLM's op means {TARGET_SPEEDUP_SMALL_B} times its share of copy: "
-            f"beyond the copy in {len(beyond)} of the {len(need)} cells missed")
+            f"beyond the copy in {len(beyond)} of the {len(shares)} cells missed")
     if beyond:
-        text += " (" + ", ".join(f"{_cell_name(*c)} {need[c]:.0f}%" for c in beyond) + ")"
+        text += " (" + ", ".join(f"{_cell_name(*c)} {need:.0f}%" for c, need in beyond) + ")"
     if within:
         text += f"; under it in {len(within)} (" + ", ".join(
-            f"{_cell_name(*c)} {need[c]:.0f}% (cudelta {pct(m, *c, CUDELTA):.0f}%)" for c in within) + ")"
+            f"{_cell_name(*c)} {need:.0f}% (cudelta {own:.0f}%)" for c, need, own in within) + ")"
     return text
 
 
@@ -366,4 +367,4 @@ def render_dump(dump: dict) -> str:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python benchmarks/mtp_report.py MTP_BENCH_OUT.json")
-    print(render_dump(json.loads(open(sys.argv[1], encoding="utf-8").read())), end="")
+    print(render_dump(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))), end="")
