@@ -9,9 +9,11 @@ when given, so a second run downloads nothing) and extracts into ignored folders
 - .peers/vllm_fla: the Triton modules the recurrent decode kernels need (the GDN packed decode:
   ops/fused_recurrent.py, op.py, utils.py; the GDN MTP step's Triton port,
   ops/fused_gdn_decode_post_conv_mtp.py; the KDA packed decode vLLM runs for Kimi models:
-  kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py), with small stand-ins for the vLLM
-  modules they import (vllm.triton_utils, vllm.platforms, vllm.utils.math_utils,
-  vllm.utils.platform_utils);
+  kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py; the causal-conv1d update vLLM's GDN
+  layer runs before the step, model_executor/layers/mamba/ops/causal_conv1d.py, for
+  benchmarks/conv_share.py), with small stand-ins for the vLLM modules they import
+  (vllm.triton_utils, vllm.platforms, vllm.utils.math_utils, vllm.utils.platform_utils,
+  vllm.v1.attention.backends.utils);
 - .peers/cuda_op/vllm_C_stable.so.xz: vLLM's compiled ops, vllm/_C_stable_libtorch.abi3.so (92 MB;
   the GDN MTP step's CUDA op `torch.ops._C.fused_gdn_decode_post_conv_mtp` lives there), its symbol
   table stripped when `strip` keeps the op's registration, xz-compressed (x86 filter, preset 9e:
@@ -36,8 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SRC = "vllm/third_party/flash_linear_attention/ops/"
 KDA = "vllm/models/kimi_k3/nvidia/ops/third_party/kda/"
+CONV = "vllm/model_executor/layers/mamba/ops/"
 MODULES = (SRC + "fused_recurrent.py", SRC + "op.py", SRC + "utils.py", SRC + "fused_gdn_decode_post_conv_mtp.py",
-           KDA + "fused_recurrent.py")
+           KDA + "fused_recurrent.py", CONV + "causal_conv1d.py")
 CUDA_OP_SO = "vllm/_C_stable_libtorch.abi3.so"
 CUDA_OP_FILE = "vllm_C_stable.so.xz"
 # The op's schema string, registered by the library's static initialisers: a stripped copy must keep it.
@@ -62,6 +65,9 @@ class _CudaPlatform:
 
     def is_cuda_alike(self):
         return True
+
+    def is_cpu(self):
+        return False
 
     def is_device_capability_family(self, capability, device_id=None):
         major, _ = torch.cuda.get_device_capability(device_id or 0)
@@ -98,6 +104,16 @@ current_platform = _CudaPlatform()
     "vllm/models/kimi_k3/nvidia/ops/__init__.py": "",
     "vllm/models/kimi_k3/nvidia/ops/third_party/__init__.py": "",
     KDA + "__init__.py": "from .fused_recurrent import fused_recurrent_kda_packed_decode\n",
+    # causal_conv1d.py: its packages' __init__s pull in the model executor; the module itself needs
+    # only the two block ids (vllm/v1/attention/backends/utils.py in 0.33).
+    "vllm/model_executor/__init__.py": "",
+    "vllm/model_executor/layers/__init__.py": "",
+    "vllm/model_executor/layers/mamba/__init__.py": "",
+    CONV + "__init__.py": "",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/attention/__init__.py": "",
+    "vllm/v1/attention/backends/__init__.py": "",
+    "vllm/v1/attention/backends/utils.py": "PAD_SLOT_ID = -1\nNULL_BLOCK_ID = 0\n",
 }
 
 

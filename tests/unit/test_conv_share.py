@@ -1,0 +1,98 @@
+"""benchmarks/conv_share.py without a GPU: its checks on CPU tensors (the reference conv standing in
+for vLLM's, cudelta's reference step for the step), and its table from given medians."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import conv_share  # noqa: E402
+import mtp_bench  # noqa: E402
+import mtp_report as report  # noqa: E402
+
+
+@pytest.fixture
+def small_heads_on_cpu(monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setattr(mtp_bench, "DEVICE", "cpu")
+    for name in ("H", "HV", "CONV_BYTES"):  # set_heads and ConvCell rebind them: restored after
+        monkeypatch.setattr(mtp_bench, name, getattr(mtp_bench, name))
+    mtp_bench.set_heads(2, 4)
+
+
+def reference_conv(spoil=None):
+    """cudelta's reference with vLLM's causal_conv1d_update keywords, optionally spoiled after."""
+    from cudelta.conv_reference import causal_conv1d_update_reference
+
+    def conv(x, conv_state, weight, bias, activation, *, conv_state_indices, num_accepted_tokens, query_start_loc,
+             max_query_len, out):
+        before = conv_state.clone()
+        causal_conv1d_update_reference(x, conv_state, weight, bias, activation, conv_state_indices, query_start_loc,
+                                       num_accepted_tokens, out=out)
+        if spoil is not None:
+            spoil(conv_state, before, out)
+        return out
+
+    return conv
+
+
+def checks(conv, B=2, T=3):
+    from cudelta import vllm_compat
+
+    cc = conv_share.ConvCell("bfloat16", B, T, seed=7)
+    result = {"checks": [], "skips": []}
+    calls = conv_share.cell_calls(cc, conv, {report.CUDELTA: vllm_compat.fused_gdn_decode_post_conv_mtp})
+    assert list(calls) == ["conv", "cudelta", "conv+cudelta"]
+    conv_share.check_cell(cc, calls, result)
+    assert not result["skips"]
+    return {c["impl"]: c for c in result["checks"]}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("small_heads_on_cpu")
+def test_the_conv_and_the_pair_agree_with_the_reference_chain():
+    got = checks(reference_conv())
+    assert set(got) == {"conv", "conv+cudelta"}  # a step alone is mtp_bench's to check
+    assert all(c["ok"] for c in got.values()), got
+    # The pages hold the conv state for T - 1 drafts ahead of the recurrent state.
+    assert mtp_bench.CONV_BYTES == (4 - 1 + 3 - 1) * (2 * 2 * 128 + 4 * 128) * 2
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("small_heads_on_cpu")
+def test_a_window_not_advanced_a_wrong_output_and_a_stray_write_are_named():
+    def keep_window(state, before, out):
+        state.copy_(before)
+
+    got = checks(reference_conv(keep_window))
+    assert not got["conv"]["ok"] and "a conv state byte differs" in got["conv"]["detail"]
+    assert not got["conv+cudelta"]["ok"]
+
+    def nudge(state, before, out):
+        out[0, 3] += 1.0
+
+    got = checks(reference_conv(nudge))
+    assert got["conv"]["detail"].startswith("conv out max |Δ|")
+    # the step read the nudged q channel: the pair's outputs differ too
+    assert "out max |Δ|" in got["conv+cudelta"]["detail"]
+
+    def touch_next_slot(state, before, out):
+        state[-1] += 1.0  # a spare slot no request names
+
+    got = checks(reference_conv(touch_next_slot))
+    assert "a conv state byte differs" in got["conv"]["detail"]
+
+
+def test_the_table_prints_the_pair_ratio_and_the_conv_share():
+    med = {("bfloat16", 1, 2, "conv"): 3.0, ("bfloat16", 1, 2, "vllm-cuda"): 8.0, ("bfloat16", 1, 2, "cudelta"): 6.0,
+           ("bfloat16", 1, 2, "conv+vllm-cuda"): 12.0, ("bfloat16", 1, 2, "conv+cudelta"): 8.0}
+    text = conv_share.render(med, {("bfloat16", 1, 2, "conv+cudelta")}, ["bfloat16"], [1], [2], "HEADER", ["NOTE"])
+    assert "| 1 | 3.0 · 8.0 / 6.0 · 12.0 / 8.0 ✗ · 1.50x · 25% |" in text
+    assert "- bfloat16: the conv is 25-25% of vLLM's pair; vLLM's pair ÷ cudelta's 1.50-1.50x" in text
+    assert "- bfloat16, B <= 8: the pair at >= 1.5x vLLM's in 1 of 1 cells" in text
+    assert text.startswith("HEADER") and text.rstrip().endswith("NOTE")
+    # a cell without its pair prints dashes, and no summary claims a number it lacks
+    text = conv_share.render({("bfloat16", 4, 1, "conv"): 2.0}, set(), ["bfloat16"], [4], [1], "H", [])
+    assert "| 4 | 2.0 · — / — · — / — · — · — |" in text and "the conv is" not in text
