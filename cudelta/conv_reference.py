@@ -78,9 +78,15 @@ def causal_conv1d_update_reference(
     num_accepted_tokens: Optional[torch.Tensor] = None,
     null_block_id: int = 0,
     out: Optional[torch.Tensor] = None,
+    round_products_to: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """The conv outputs of x's rows (into out, else a copy of x whose skipped rows keep x's values,
-    as vLLM's in-place default leaves them); conv_state is updated in place. See the module doc."""
+    as vLLM's in-place default leaves them); conv_state is updated in place. See the module doc.
+
+    round_products_to: each weight x input product rounded to this dtype before the fp32 sum, as
+    vLLM's Triton kernel computes it (bf16 times bf16 stays bf16 there; torch.bfloat16 models it).
+    Its error grows with the products, not with their sum, so a check of vLLM's kernel against the
+    fp32 products needs a tolerance as loose as the largest product; against this, one ulp."""
     _check(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens, out)
     width, state_len, slots = weight.shape[1], conv_state.shape[2], conv_state.shape[0]
     result = x.clone() if out is None else out
@@ -111,7 +117,10 @@ def causal_conv1d_update_reference(
     for slot, bos, eos, off in plan:
         tokens = eos - bos
         seq = torch.cat([conv_state[slot, :, off:off + width - 1], x[bos:eos].to(conv_state.dtype).T], dim=1)
-        y = b[:, None] + sum(w[:, j:j + 1] * seq[:, j:j + tokens].float() for j in range(width))
+        products = [w[:, j:j + 1] * seq[:, j:j + tokens].float() for j in range(width)]
+        if round_products_to is not None:
+            products = [p.to(round_products_to).float() for p in products]
+        y = b[:, None] + sum(products)
         if activation is not None:
             y = F.silu(y)
         result[bos:eos] = y.T.to(conv_state.dtype).to(x.dtype)

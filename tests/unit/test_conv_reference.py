@@ -135,3 +135,13 @@ def test_a_bad_later_request_leaves_earlier_ones_unwritten():
         causal_conv1d_update_reference(x, state, weight, bias, "silu", torch.tensor([2, 2]), torch.tensor([0, 2, 4]),
                                        torch.tensor([1, 1]))
     assert torch.equal(state, before)
+
+
+def test_products_rounded_as_vllm_s_triton_kernel_rounds_them():
+    x, state, weight, bias = make(state_len=WIDTH - 1, tokens=1, dtype=torch.bfloat16, seed=3)
+    exact, rounded = (causal_conv1d_update_reference(x, state.clone(), weight, None, None, torch.tensor([1]),
+                                                     round_products_to=r) for r in (None, torch.bfloat16))
+    assert not torch.equal(exact, rounded)  # bf16 products lose bits the fp32 ones keep
+    seq = torch.cat([state[1], x.T], dim=1)
+    by_hand = sum((weight[:, j].float() * seq[:, j].float()).to(torch.bfloat16).float() for j in range(WIDTH))
+    assert torch.equal(rounded[0], by_hand.to(torch.bfloat16))

@@ -23,14 +23,16 @@ def small_heads_on_cpu(monkeypatch):
 
 
 def reference_conv(spoil=None):
-    """cudelta's reference with vLLM's causal_conv1d_update keywords, optionally spoiled after."""
+    """cudelta's reference with vLLM's causal_conv1d_update keywords and bf16 products, optionally
+    spoiled after."""
+    import torch
     from cudelta.conv_reference import causal_conv1d_update_reference
 
     def conv(x, conv_state, weight, bias, activation, *, conv_state_indices, num_accepted_tokens, query_start_loc,
              max_query_len, out):
         before = conv_state.clone()
         causal_conv1d_update_reference(x, conv_state, weight, bias, activation, conv_state_indices, query_start_loc,
-                                       num_accepted_tokens, out=out)
+                                       num_accepted_tokens, out=out, round_products_to=torch.bfloat16)
         if spoil is not None:
             spoil(conv_state, before, out)
         return out
@@ -38,12 +40,12 @@ def reference_conv(spoil=None):
     return conv
 
 
-def checks(conv, B=2, T=3):
+def checks(conv, B=2, T=3, step=None):
     from cudelta import vllm_compat
 
     cc = conv_share.ConvCell("bfloat16", B, T, seed=7)
     result = {"checks": [], "skips": []}
-    calls = conv_share.cell_calls(cc, conv, {report.CUDELTA: vllm_compat.fused_gdn_decode_post_conv_mtp})
+    calls = conv_share.cell_calls(cc, conv, {report.CUDELTA: step or vllm_compat.fused_gdn_decode_post_conv_mtp})
     assert list(calls) == ["conv", "cudelta", "conv+cudelta"]
     conv_share.check_cell(cc, calls, result)
     assert not result["skips"]
@@ -75,8 +77,8 @@ def test_a_window_not_advanced_a_wrong_output_and_a_stray_write_are_named():
 
     got = checks(reference_conv(nudge))
     assert got["conv"]["detail"].startswith("conv out max |Δ|")
-    # the step read the nudged q channel: the pair's outputs differ too
-    assert "out max |Δ|" in got["conv+cudelta"]["detail"]
+    # the pair is named by its conv; its step is checked on the conv outputs it was given, and is right
+    assert got["conv+cudelta"]["detail"] == got["conv"]["detail"]
 
     def touch_next_slot(state, before, out):
         state[-1] += 1.0  # a spare slot no request names
@@ -96,3 +98,17 @@ def test_the_table_prints_the_pair_ratio_and_the_conv_share():
     # a cell without its pair prints dashes, and no summary claims a number it lacks
     text = conv_share.render({("bfloat16", 4, 1, "conv"): 2.0}, set(), ["bfloat16"], [4], [1], "H", [])
     assert "| 4 | 2.0 · — / — · — / — · — · — |" in text and "the conv is" not in text
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("small_heads_on_cpu")
+def test_a_wrong_step_after_a_right_conv_is_named():
+    from cudelta import vllm_compat
+
+    def step_off_by_a_little(*args):
+        vllm_compat.fused_gdn_decode_post_conv_mtp(*args)
+        args[8][args[5][0, 0]] *= 1.05  # the state stored after request 0's first token
+
+    got = checks(reference_conv(), step=step_off_by_a_little)
+    assert got["conv"]["ok"]
+    assert not got["conv+cudelta"]["ok"] and got["conv+cudelta"]["detail"].startswith("state max |Δ|")
