@@ -181,9 +181,9 @@ class ConvCell:
         return c.mixed_qkv.clone()
 
 
-def check(cc: ConvCell, name: str, call, idx, base, ref_pages, ref_conv) -> dict:
+def check(cc: ConvCell, name: str, call, idx, base, ref_conv_bytes, ref_conv) -> dict:
     """call(pages, idx) on a copy of base: its conv outputs and conv states against the reference
-    conv's (ref_pages, ref_conv); for a pair, its outputs and states against the reference step run
+    conv's (ref_conv_bytes: the pool's conv state bytes after it; ref_conv); for a pair, its outputs and states against the reference step run
     on the conv outputs the pair produced (each stage against its own reference: a conv output one
     bf16 ulp off moves the step's state by more than one)."""
     import torch
@@ -198,7 +198,7 @@ def check(cc: ConvCell, name: str, call, idx, base, ref_pages, ref_conv) -> dict
     conv_abs, conv_ratio = mb.excess(c.mixed_qkv, ref_conv, TOL_CONV)
     if conv_ratio > 1:
         details.append(f"conv out max |Δ| {conv_abs:.3g} ({conv_ratio:.3g}x its tolerance)")
-    if not torch.equal(pages[:, :cc.conv_bytes], ref_pages[:, :cc.conv_bytes]):
+    if not torch.equal(pages[:, :cc.conv_bytes], ref_conv_bytes):
         details.append("a conv state byte differs from the reference's")
     out_abs = st_abs = 0.0
     if name == CONV:
@@ -233,28 +233,34 @@ def cell_calls(cc: ConvCell, conv, steps: dict) -> dict:
     return calls
 
 
-def check_cell(cc: ConvCell, calls: dict, result: dict) -> None:
+def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
     """The conv and each pair against the reference conv then the reference step, on a pool of the
-    cell's slots, the null block and spare slots (a step alone is mtp_bench's to check)."""
+    cell's slots, the null block and spare slots; returns the names to time: those whose check ran
+    (a disagreement is timed and marked) and each step whose pair's check ran (its step)."""
     c = cc.step
     base, _ = c.pool(1 + c.B * c.T + mb.SPARE_SLOTS, random_bytes=True)
     cc.conv_state(base).normal_(0.0, 1.0, generator=c.gen)  # random bytes would hold NaNs as bf16
     idx = c.slot_sets(1)[0]
     ref_pages = base.clone()
     ref_conv = cc.reference_conv(ref_pages, idx)
+    ref_conv_bytes = ref_pages[:, :cc.conv_bytes].clone()  # all a check needs of it: a pool copy fewer
+    del ref_pages
     where = dict(state=c.state_name, B=c.B, T=c.T)
+    ran = set()
     for name, call in calls.items():
         if name in STEPS:
             continue
         try:
-            r = check(cc, name, call, idx, base, ref_pages, ref_conv)
+            r = check(cc, name, call, idx, base, ref_conv_bytes, ref_conv)
         except Exception as exc:  # noqa: BLE001
             result["skips"].append(dict(where, impl=name, reason=mb.short(exc)))
             traceback.print_exc()
             continue
         result["checks"].append(r)
+        ran.add(name)
         print(f"conv_share: {c.state_name} B={c.B} T={c.T} {name}: "
               f"{'agrees' if r['ok'] else 'DISAGREES: ' + r['detail']}", file=sys.stderr)
+    return ran | {n for n in STEPS if PAIR[n] in ran}
 
 
 def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict) -> None:
@@ -263,7 +269,7 @@ def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict) -> Non
     cc = ConvCell(state, B, T, seed=1000 * B + T)
     c = cc.step
     calls = cell_calls(cc, conv, steps)
-    check_cell(cc, calls, result)
+    checked = check_cell(cc, calls, result)
     mb.empty_cache()
 
     # Times: slot sets over >= 256 MiB of recurrent state, a one-element kernel between calls.
@@ -275,6 +281,9 @@ def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict) -> Non
     gap, _ = mb.time_call(lambda i: between.add_(1), c.sets, n_calls)
     line = []
     for name, call in calls.items():
+        if name not in checked:
+            continue
+
         def one(i, call=call):
             call(pages, sets[i])
             between.add_(1)

@@ -47,8 +47,8 @@ def checks(conv, B=2, T=3, step=None):
     result = {"checks": [], "skips": []}
     calls = conv_share.cell_calls(cc, conv, {report.CUDELTA: step or vllm_compat.fused_gdn_decode_post_conv_mtp})
     assert list(calls) == ["conv", "cudelta", "conv+cudelta"]
-    conv_share.check_cell(cc, calls, result)
-    assert not result["skips"]
+    timed = conv_share.check_cell(cc, calls, result)
+    assert not result["skips"] and timed == set(calls)
     return {c["impl"]: c for c in result["checks"]}
 
 
@@ -112,3 +112,20 @@ def test_a_wrong_step_after_a_right_conv_is_named():
     got = checks(reference_conv(), step=step_off_by_a_little)
     assert got["conv"]["ok"]
     assert not got["conv+cudelta"]["ok"] and got["conv+cudelta"]["detail"].startswith("state max |Δ|")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("small_heads_on_cpu")
+def test_a_pair_whose_check_could_not_run_is_not_timed_nor_its_step():
+    from cudelta import vllm_compat
+
+    cc = conv_share.ConvCell("bfloat16", 2, 2, seed=7)
+    result = {"checks": [], "skips": []}
+
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    calls = conv_share.cell_calls(cc, reference_conv(), {report.CUDELTA: vllm_compat.fused_gdn_decode_post_conv_mtp,
+                                                          report.VLLM_CUDA: out_of_memory})
+    assert conv_share.check_cell(cc, calls, result) == {"conv", "cudelta", "conv+cudelta"}
+    assert [s["impl"] for s in result["skips"]] == ["conv+vllm-cuda"]
