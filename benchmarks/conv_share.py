@@ -82,6 +82,12 @@ def pair_ratio(median: dict, state: str, B: int, T: int) -> float | None:
     return vllm / ours if vllm and ours else None
 
 
+def ceiling(median: dict, state: str, B: int, T: int) -> float | None:
+    """vLLM's pair ÷ cudelta's step alone: a step with the conv fused in at no cost, the most fusing can give."""
+    vllm, step = median.get((state, B, T, PAIR[report.VLLM_CUDA])), median.get((state, B, T, report.CUDELTA))
+    return vllm / step if vllm and step else None
+
+
 def conv_share(median: dict, state: str, B: int, T: int) -> float | None:
     conv, pair = median.get((state, B, T, CONV)), median.get((state, B, T, PAIR[report.VLLM_CUDA]))
     return conv / pair if conv and pair else None
@@ -95,17 +101,19 @@ def cell_text(median: dict, bad: set, state: str, B: int, T: int) -> str:
         text = f"{v:.1f}" if v < 100 else f"{v:.0f}"
         return text + (" ✗" if (state, B, T, impl) in bad else "")
 
-    r, share = pair_ratio(median, state, B, T), conv_share(median, state, B, T)
+    r, top, share = pair_ratio(median, state, B, T), ceiling(median, state, B, T), conv_share(median, state, B, T)
     return (f"{us(CONV)} · {us(report.VLLM_CUDA)} / {us(report.CUDELTA)} · "
             f"{us(PAIR[report.VLLM_CUDA])} / {us(PAIR[report.CUDELTA])} · "
-            f"{'—' if r is None else f'{r:.2f}x'} · {'—' if share is None else f'{100 * share:.0f}%'}")
+            f"{'—' if r is None else f'{r:.2f}x'} → {'—' if top is None else f'{top:.2f}x'} · "
+            f"{'—' if share is None else f'{100 * share:.0f}%'}")
 
 
 def render(median: dict, bad: set, states: list[str], batches: list[int], tokens: list[int], header: str,
            notes: list[str]) -> str:
     lines = [header, "",
              "Cell: conv µs · step µs, vLLM CUDA / cudelta · conv + step µs, vLLM CUDA / cudelta · vLLM's pair ÷ "
-             "cudelta's · the conv's share of vLLM's pair. — not timed; ✗ disagrees with the reference.", ""]
+             "cudelta's → vLLM's pair ÷ cudelta's step alone (the conv fused in at no cost: the ceiling) · the "
+             "conv's share of vLLM's pair. — not timed; ✗ disagrees with the reference.", ""]
     for state in states:
         lines += [f"**state {state}**", "", "| B | " + " | ".join(f"T={t}" for t in tokens) + " |",
                   "|---|" + "---|" * len(tokens)]
@@ -120,8 +128,11 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
             small = [(B, t, r) for B, t, r in ratios if B <= report.SMALL_B]
             if small:
                 met = [c for c in small if c[2] >= report.TARGET_SPEEDUP_SMALL_B]
+                tops = [top for B, t, _ in small if (top := ceiling(median, state, B, t)) is not None]
+                reach = sum(top >= report.TARGET_SPEEDUP_SMALL_B for top in tops)
                 lines.append(f"- {state}, B <= {report.SMALL_B}: the pair at >= {report.TARGET_SPEEDUP_SMALL_B}x vLLM's "
-                             f"in {len(met)} of {len(small)} cells")
+                             f"in {len(met)} of {len(small)} cells; with the conv fused at no cost in {reach} of "
+                             f"{len(tops)} (ceilings {min(tops):.2f}-{max(tops):.2f}x)")
             lines.append("")
     return "\n".join(lines + notes) + "\n"
 
@@ -335,6 +346,40 @@ def run_worker(args) -> int:
 # ---------------------------------------------------------------- the parent: processes, medians
 
 
+def report_text(runs: list[dict], meta: dict, failures: list[str] = ()) -> str:
+    """The tables and notes from the processes' results (run_parent's, or a saved .json's: --render)."""
+    values: dict = {}
+    for run in runs:
+        for m in run["times"]:
+            values.setdefault((m["state"], m["B"], m["T"], m["impl"]), []).append(m["us"])
+    median = {k: statistics.median(v) for k, v in values.items()}
+    spreads = [(max(v) - min(v)) / statistics.median(v) for v in values.values() if statistics.median(v) > 0]
+    bad = {(c["state"], c["B"], c["T"], c["impl"]) for run in runs for c in run["checks"] if not c["ok"]}
+    checks = [c for run in runs for c in run["checks"]]
+    notes = [f"Checks: {sum(c['ok'] for c in checks)} of {len(checks)} agree with the reference (conv, then step)"
+             + (f"; disagreeing: {sorted(bad)}" if bad else "")]
+    reasons = {f"{impl}: {why}" for run in runs for impl, why in run.get("reasons", {}).items() if why}
+    reasons |= {f"{s['impl']} {s['state']} B={s['B']} T={s['T']}: {s['reason']}" for run in runs for s in run["skips"]}
+    notes += [f"Not timed: {r}" for r in sorted(reasons)]
+    if spreads:
+        notes.append(f"Spread across processes, (max - min) / median: median {100 * statistics.median(spreads):.1f}%, "
+                     f"largest {100 * max(spreads):.1f}%.")
+    notes += failures
+    header = (f"vLLM's MTP layer step, conv then step (H={mb.H}, HV={mb.HV}, K=V=128, conv width {WIDTH} over "
+              f"{conv_dim()} channels, SiLU, bf16 mixed_qkv); {runs[0]['device']}; median of {len(runs)} of "
+              f"{meta['procs']} processes, {meta['seconds']} s. Pages: vLLM's (conv state [3 + T - 1, "
+              f"conv_dim] bf16, then the state), slot sets cycling over >= {meta['dram_mib']} MiB; CUDA graph of >= "
+              f"{mb.MIN_CALLS} calls, best of 5 replays; a one-element kernel after each call, its time subtracted.")
+    return render(median, bad, meta["states"], meta["batches"], meta["tokens"], header, notes)
+
+
+def render_dump(path: Path) -> str:
+    """The report of a saved run (run_parent's .json)."""
+    dump = json.loads(path.read_text())
+    mb.set_heads(*dump["heads"])
+    return report_text(dump["processes"], dump)
+
+
 def run_parent(args) -> int:
     started = time.monotonic()
     runs, failures = [], []
@@ -355,35 +400,14 @@ def run_parent(args) -> int:
     if not runs:
         print("conv_share: no process produced results (" + "; ".join(failures) + ")", file=sys.stderr)
         return 1
-    values: dict = {}
-    for run in runs:
-        for m in run["times"]:
-            values.setdefault((m["state"], m["B"], m["T"], m["impl"]), []).append(m["us"])
-    median = {k: statistics.median(v) for k, v in values.items()}
-    spreads = [(max(v) - min(v)) / statistics.median(v) for v in values.values() if statistics.median(v) > 0]
-    bad = {(c["state"], c["B"], c["T"], c["impl"]) for run in runs for c in run["checks"] if not c["ok"]}
-    checks = [c for run in runs for c in run["checks"]]
-    notes = [f"Checks: {sum(c['ok'] for c in checks)} of {len(checks)} agree with the reference (conv, then step)"
-             + (f"; disagreeing: {sorted(bad)}" if bad else "")]
-    reasons = {f"{impl}: {why}" for run in runs for impl, why in run.get("reasons", {}).items() if why}
-    reasons |= {f"{s['impl']} {s['state']} B={s['B']} T={s['T']}: {s['reason']}" for run in runs for s in run["skips"]}
-    notes += [f"Not timed: {r}" for r in sorted(reasons)]
-    if spreads:
-        notes.append(f"Spread across processes, (max - min) / median: median {100 * statistics.median(spreads):.1f}%, "
-                     f"largest {100 * max(spreads):.1f}%.")
-    notes += failures
-    header = (f"vLLM's MTP layer step, conv then step (H={mb.H}, HV={mb.HV}, K=V=128, conv width {WIDTH} over "
-              f"{conv_dim()} channels, SiLU, bf16 mixed_qkv); {runs[0]['device']}; median of {len(runs)} of "
-              f"{args.procs} processes, {time.monotonic() - started:.0f} s. Pages: vLLM's (conv state [3 + T - 1, "
-              f"conv_dim] bf16, then the state), slot sets cycling over >= {args.dram_mib} MiB; CUDA graph of >= "
-              f"{mb.MIN_CALLS} calls, best of 5 replays; a one-element kernel after each call, its time subtracted.")
-    text = render(median, bad, args.states, args.batches, args.tokens, header, notes)
+    meta = dict(heads=[mb.H, mb.HV], procs=args.procs, seconds=round(time.monotonic() - started),
+                dram_mib=args.dram_mib, states=args.states, batches=args.batches, tokens=args.tokens)
+    text = report_text(runs, meta, failures)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps({"median": [list(k) + [v] for k, v in median.items()],
-                                                             "processes": runs}, indent=1))
+        args.out.with_suffix(".json").write_text(json.dumps(dict(meta, processes=runs), indent=1))
     return 0
 
 
@@ -395,7 +419,8 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=mb.parse_heads, default=(mb.H, mb.HV), metavar="H/HV")
     parser.add_argument("--procs", type=int, default=3)
     parser.add_argument("--cuda-op", type=Path, help="vLLM's library (.so or .so.xz); default .peers/cuda_op/*.so.xz")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="the tables (markdown) here, the numbers beside it (.json)")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="print the report of a saved run and exit")
     parser.add_argument("--dram-mib", type=int, default=mb.DRAM_BYTES >> 20, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--cuda-op-so", default="", help=argparse.SUPPRESS)
@@ -408,6 +433,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        print(render_dump(args.render))
+        return 0
     mb.set_heads(*args.heads)
     return run_worker(args) if args.worker else run_parent(args)
 

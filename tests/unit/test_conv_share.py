@@ -91,13 +91,14 @@ def test_the_table_prints_the_pair_ratio_and_the_conv_share():
     med = {("bfloat16", 1, 2, "conv"): 3.0, ("bfloat16", 1, 2, "vllm-cuda"): 8.0, ("bfloat16", 1, 2, "cudelta"): 6.0,
            ("bfloat16", 1, 2, "conv+vllm-cuda"): 12.0, ("bfloat16", 1, 2, "conv+cudelta"): 8.0}
     text = conv_share.render(med, {("bfloat16", 1, 2, "conv+cudelta")}, ["bfloat16"], [1], [2], "HEADER", ["NOTE"])
-    assert "| 1 | 3.0 · 8.0 / 6.0 · 12.0 / 8.0 ✗ · 1.50x · 25% |" in text
+    assert "| 1 | 3.0 · 8.0 / 6.0 · 12.0 / 8.0 ✗ · 1.50x → 2.00x · 25% |" in text
     assert "- bfloat16: the conv is 25-25% of vLLM's pair; vLLM's pair ÷ cudelta's 1.50-1.50x" in text
-    assert "- bfloat16, B <= 8: the pair at >= 1.5x vLLM's in 1 of 1 cells" in text
+    assert ("- bfloat16, B <= 8: the pair at >= 1.5x vLLM's in 1 of 1 cells; with the conv fused at no cost in 1 of 1 "
+            "(ceilings 2.00-2.00x)") in text
     assert text.startswith("HEADER") and text.rstrip().endswith("NOTE")
     # a cell without its pair prints dashes, and no summary claims a number it lacks
     text = conv_share.render({("bfloat16", 4, 1, "conv"): 2.0}, set(), ["bfloat16"], [4], [1], "H", [])
-    assert "| 4 | 2.0 · — / — · — / — · — · — |" in text and "the conv is" not in text
+    assert "| 4 | 2.0 · — / — · — / — · — → — · — |" in text and "the conv is" not in text
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -129,3 +130,27 @@ def test_a_pair_whose_check_could_not_run_is_not_timed_nor_its_step():
                                                           report.VLLM_CUDA: out_of_memory})
     assert conv_share.check_cell(cc, calls, result) == {"conv", "cudelta", "conv+cudelta"}
     assert [s["impl"] for s in result["skips"]] == ["conv+vllm-cuda"]
+
+
+def test_a_saved_run_renders_again_with_medians_over_its_processes(tmp_path, monkeypatch):
+    import json
+
+    for name in ("H", "HV", "CONV_BYTES"):
+        monkeypatch.setattr(mtp_bench, name, getattr(mtp_bench, name))
+
+    def proc(conv_us):
+        times = [dict(state="bfloat16", B=8, T=2, impl=i, us=u, mode="graph")
+                 for i, u in (("conv", conv_us), ("vllm-cuda", 9.0), ("cudelta", 7.5), ("conv+vllm-cuda", 12.0),
+                              ("conv+cudelta", 10.0))]
+        checks = [dict(state="bfloat16", B=8, T=2, impl=i, ok=True) for i in ("conv", "conv+vllm-cuda", "conv+cudelta")]
+        return dict(device="GPU X", times=times, skips=[], checks=checks, reasons={})
+
+    dump = dict(heads=[4, 8], procs=3, seconds=50, dram_mib=256, states=["bfloat16"], batches=[8], tokens=[2],
+                processes=[proc(2.0), proc(3.0), proc(2.6)])
+    path = tmp_path / "conv-4-8.json"
+    path.write_text(json.dumps(dump))
+    text = conv_share.render_dump(path)
+    assert text.startswith("vLLM's MTP layer step, conv then step (H=4, HV=8, K=V=128, conv width 4 over 2048 channels")
+    assert "GPU X; median of 3 of 3 processes, 50 s" in text
+    assert "| 8 | 2.6 · 9.0 / 7.5 · 12.0 / 10.0 · 1.20x → 1.60x · 22% |" in text
+    assert "Checks: 9 of 9 agree" in text and "largest 38.5%" in text
