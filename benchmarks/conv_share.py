@@ -434,7 +434,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
-        print(render_dump(args.render))
+        print(render_dump(args.render), end="")
         return 0
     mb.set_heads(*args.heads)
     return run_worker(args) if args.worker else run_parent(args)
