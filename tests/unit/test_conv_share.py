@@ -154,3 +154,18 @@ def test_a_saved_run_renders_again_with_medians_over_its_processes(tmp_path, mon
     assert "GPU X; median of 3 of 3 processes, 50 s" in text
     assert "| 8 | 2.6 · 9.0 / 7.5 · 12.0 / 10.0 · 1.20x → 1.60x · 22% |" in text
     assert "Checks: 9 of 9 agree" in text and "largest 38.5%" in text
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("small_heads_on_cpu")
+def test_a_pair_whose_conv_does_not_reproduce_its_conv_alone_is_named():
+    calls = []
+
+    def third_call_differs(state, before, out):
+        calls.append(1)
+        if len(calls) == 3:  # the conv's check, the pair's reference run, then the pair itself
+            out[0, 3] += 0.25
+
+    got = checks(reference_conv(third_call_differs))
+    assert got["conv"]["ok"]
+    assert "the pair's conv outputs differ from its conv's alone" in got["conv+cudelta"]["detail"]
