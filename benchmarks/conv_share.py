@@ -198,8 +198,9 @@ def check(cc: ConvCell, name: str, call, idx, base, ref_conv_bytes, ref_conv, co
     against the reference step run on the outputs of its conv (conv_call) run alone: each stage
     against its own reference, since a conv output one bf16 ulp off moves the step's state by more
     than one; the pair must then reproduce those outputs exactly. The reference step runs before the
-    pair's pool is copied, so the pool is held three times at most (16/64 B=512 T=8: 8.6 GB each,
-    beside the reference's fp32 state)."""
+    pair's pool is copied, so the pool is held three times at most; at 16/64 B=512 T=8 (8.6 GB a
+    copy) the reference's own fp32 copies still do not fit an H100 beside two (results-h100-conv.md).
+    """
     import torch
 
     c = cc.step
