@@ -5,6 +5,7 @@ the measured ceiling of fusing it (ARCHITECTURE.md, "Not fused yet").
     # on the GPU machine (carry [".peers/cuda_op", ".peers/vllm_fla"]), cudelta built there:
     python -P benchmarks/conv_share.py --out $OUT/conv.md   # 16/32 heads, bf16 state, B 1..512, T 1 2 4 8
     #   [--heads H/HV] [--states bfloat16 float32] [--batches ...] [--tokens ...] [--procs 3]
+    python benchmarks/conv_share.py --render conv.json      # anywhere: a saved run's report again
 
 vLLM 0.33's GDN layer with speculative decoding runs two kernels a layer step: its Triton
 `causal_conv1d_update` (width 4, SiLU, the conv state a sliding window advanced by
