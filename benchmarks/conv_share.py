@@ -59,7 +59,6 @@ WIDTH = 4  # Qwen3-Next's linear_conv_kernel_dim
 CONV = "conv"
 STEPS = (report.VLLM_CUDA, report.CUDELTA)
 PAIR = {s: f"conv+{s}" for s in STEPS}
-COLUMNS = (CONV,) + STEPS + tuple(PAIR.values())
 STATES = ["bfloat16"]
 # The conv's outputs against the reference with vLLM's bf16 products: one bf16 ulp (fp32 sums in
 # another order, SiLU's exp) plus 1e-4 of the largest.
@@ -171,6 +170,12 @@ class ConvCell:
         rows = self.conv_bytes // (2 * conv_dim())
         return pages[:, :self.conv_bytes].view(torch.bfloat16).view(pages.shape[0], rows, conv_dim()).transpose(1, 2)
 
+    def pool(self, slots: int, random_bytes: bool):
+        """mtp_bench's pages with a finite conv state (random bytes would hold NaNs as bf16)."""
+        pages, _ = self.step.pool(slots, random_bytes)
+        self.conv_state(pages).normal_(0.0, 1.0, generator=self.step.gen)
+        return pages
+
     def recurrent(self, pages):
         c = self.step
         return pages[:, self.conv_bytes:self.conv_bytes + c.block].view(c.dtype).view(pages.shape[0], mb.HV, mb.V, mb.K)
@@ -261,8 +266,7 @@ def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
     cell's slots, the null block and spare slots; returns the names to time: those whose check ran
     (a disagreement is timed and marked) and each step whose pair's check ran (its step)."""
     c = cc.step
-    base, _ = c.pool(1 + c.B * c.T + mb.SPARE_SLOTS, random_bytes=True)
-    cc.conv_state(base).normal_(0.0, 1.0, generator=c.gen)  # random bytes would hold NaNs as bf16
+    base = cc.pool(1 + c.B * c.T + mb.SPARE_SLOTS, random_bytes=True)
     idx = c.slot_sets(1)[0]
     ref_pages = base.clone()
     ref_conv = cc.reference_conv(ref_pages, idx)
@@ -296,8 +300,7 @@ def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict) -> Non
     mb.empty_cache()
 
     # Times: slot sets over >= 256 MiB of recurrent state, a one-element kernel between calls.
-    pages, _ = c.pool(1 + c.sets * B * T, random_bytes=False)
-    cc.conv_state(pages).normal_(0.0, 1.0, generator=c.gen)
+    pages = cc.pool(1 + c.sets * B * T, random_bytes=False)
     sets = c.slot_sets(c.sets)
     n_calls = max(mb.MIN_CALLS, c.sets)
     between = torch.zeros(1, device=mb.DEVICE)
@@ -316,8 +319,9 @@ def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict) -> Non
         except Exception as exc:  # noqa: BLE001
             result["skips"].append(dict(state=state, B=B, T=T, impl=name, reason=mb.short(exc)))
             continue
-        result["times"].append(dict(state=state, B=B, T=T, impl=name, us=max(us - gap, 0.0), mode=mode))
-        line.append(f"{name} {max(us - gap, 0.0):.1f}")
+        us = max(us - gap, 0.0)
+        result["times"].append(dict(state=state, B=B, T=T, impl=name, us=us, mode=mode))
+        line.append(f"{name} {us:.1f}")
     del pages
     mb.empty_cache()
     print(f"conv_share: {state} B={B} T={T}: " + ", ".join(line) + " µs", file=sys.stderr, flush=True)
@@ -360,14 +364,11 @@ def run_worker(args) -> int:
 
 def report_text(runs: list[dict], meta: dict, failures: list[str] = ()) -> str:
     """The tables and notes from the processes' results (run_parent's, or a saved .json's: --render)."""
-    values: dict = {}
-    for run in runs:
-        for m in run["times"]:
-            values.setdefault((m["state"], m["B"], m["T"], m["impl"]), []).append(m["us"])
-    median = {k: statistics.median(v) for k, v in values.items()}
-    spreads = [(max(v) - min(v)) / statistics.median(v) for v in values.values() if statistics.median(v) > 0]
-    bad = {(c["state"], c["B"], c["T"], c["impl"]) for run in runs for c in run["checks"] if not c["ok"]}
-    checks = [c for run in runs for c in run["checks"]]
+    merged = report.merge_runs(runs)
+    median = merged.median
+    spreads = [v for k, v in merged.spread.items() if median[k] > 0]
+    bad = {k for k, c in merged.checks.items() if not c["ok"]}
+    checks = [c for run in runs for c in run["checks"]]  # counted a process at a time
     notes = [f"Checks: {sum(c['ok'] for c in checks)} of {len(checks)} agree with the reference (conv, then step)"
              + (f"; disagreeing: {sorted(bad)}" if bad else "")]
     reasons = {f"{impl}: {why}" for run in runs for impl, why in run.get("reasons", {}).items() if why}
