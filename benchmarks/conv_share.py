@@ -17,9 +17,12 @@ process, on the same pages and tensors, this times:
   rows the step reads (vLLM overwrites x in place; a separate output keeps the inputs the same
   every call, at the same traffic);
 - the step alone: vLLM's CUDA op and cudelta, exactly as benchmarks/mtp_bench.py times them;
-- the pair: the conv and then the step in one call, each side with the same conv.
-A cell prints the three alone, both pairs, the pair's ratio (vLLM's pair ÷ cudelta's) and the conv's
-share of vLLM's pair: what a fused conv could at most save is the conv's time and no more.
+- the pair: the conv and then the step in one call, each side with the same conv;
+- cudelta's own conv (cudelta.vllm_compat.causal_conv1d_update, the same call) alone, and cudelta's
+  layer pair: its conv, then its step.
+A cell prints the convs and steps alone, the pairs, the pairs' ratios (vLLM's pair ÷ cudelta's step
+after vLLM's conv, and ÷ cudelta's own pair) and the conv's share of vLLM's pair: what a fused conv
+could at most save is the conv's time and no more.
 
 Pages: vLLM's padded pages as mtp_bench builds them, the conv state sized as vLLM sizes it for
 T - 1 draft tokens ([width - 1 + T - 1, conv_dim] bf16 a page, vLLM's default "SD" layout, handed
@@ -30,7 +33,8 @@ subtracted), medians of --procs processes: mtp_bench's method.
 Checked before timing, on a pool of the cell's slots, the null block and spare slots: the conv's
 outputs against cudelta.conv_reference with its products rounded to bf16 as vLLM's kernel rounds
 them (1/100 relative, one ulp, + 1e-4 of the largest) and every conv state byte equal to the
-reference's (the window holds copies of inputs: exact); each pair's outputs and recurrent states
+reference's (the window holds copies of inputs: exact); cudelta's conv, which sums fp32 products,
+against the reference's fp32 products to the same tolerance; each pair's outputs and recurrent states
 against the reference step on the conv outputs that pair produced (mtp_bench's tolerances), and
 every other byte of the pool unchanged. A disagreeing implementation is
 still timed, marked ✗.
@@ -56,9 +60,11 @@ import mtp_bench as mb  # noqa: E402
 import mtp_report as report  # noqa: E402
 
 WIDTH = 4  # Qwen3-Next's linear_conv_kernel_dim
-CONV = "conv"
+CONV = "conv"  # vLLM's
+OWN_CONV = "cudelta-conv"
 STEPS = (report.VLLM_CUDA, report.CUDELTA)
-PAIR = {s: f"conv+{s}" for s in STEPS}
+PAIR = {s: f"conv+{s}" for s in STEPS}  # vLLM's conv, then the step
+OWN_PAIR = f"{OWN_CONV}+{report.CUDELTA}"  # cudelta's conv, then its step: the layer on cudelta alone
 STATES = ["bfloat16"]
 # The conv's outputs against the reference with vLLM's bf16 products: one bf16 ulp (fp32 sums in
 # another order, SiLU's exp) plus 1e-4 of the largest.
@@ -82,6 +88,12 @@ def pair_ratio(median: dict, state: str, B: int, T: int) -> float | None:
     return vllm / ours if vllm and ours else None
 
 
+def own_pair_ratio(median: dict, state: str, B: int, T: int) -> float | None:
+    """vLLM's pair ÷ cudelta's (its conv, then its step)."""
+    vllm, ours = median.get((state, B, T, PAIR[report.VLLM_CUDA])), median.get((state, B, T, OWN_PAIR))
+    return vllm / ours if vllm and ours else None
+
+
 def ceiling(median: dict, state: str, B: int, T: int) -> float | None:
     """vLLM's pair ÷ cudelta's step alone: a step with the conv fused in at no cost, the most fusing can give."""
     vllm, step = median.get((state, B, T, PAIR[report.VLLM_CUDA])), median.get((state, B, T, report.CUDELTA))
@@ -101,19 +113,23 @@ def cell_text(median: dict, bad: set, state: str, B: int, T: int) -> str:
         text = f"{v:.1f}" if v < 100 else f"{v:.0f}"
         return text + (" ✗" if (state, B, T, impl) in bad else "")
 
-    r, top, share = pair_ratio(median, state, B, T), ceiling(median, state, B, T), conv_share(median, state, B, T)
-    return (f"{us(CONV)} · {us(report.VLLM_CUDA)} / {us(report.CUDELTA)} · "
-            f"{us(PAIR[report.VLLM_CUDA])} / {us(PAIR[report.CUDELTA])} · "
-            f"{'—' if r is None else f'{r:.2f}x'} → {'—' if top is None else f'{top:.2f}x'} · "
-            f"{'—' if share is None else f'{100 * share:.0f}%'}")
+    def x(r):
+        return "—" if r is None else f"{r:.2f}x"
+
+    share = conv_share(median, state, B, T)
+    return (f"{us(CONV)} / {us(OWN_CONV)} · {us(report.VLLM_CUDA)} / {us(report.CUDELTA)} · "
+            f"{us(PAIR[report.VLLM_CUDA])} / {us(PAIR[report.CUDELTA])} / {us(OWN_PAIR)} · "
+            f"{x(pair_ratio(median, state, B, T))} / {x(own_pair_ratio(median, state, B, T))} → "
+            f"{x(ceiling(median, state, B, T))} · {'—' if share is None else f'{100 * share:.0f}%'}")
 
 
 def render(median: dict, bad: set, states: list[str], batches: list[int], tokens: list[int], header: str,
            notes: list[str]) -> str:
     lines = [header, "",
-             "Cell: conv µs · step µs, vLLM CUDA / cudelta · conv + step µs, vLLM CUDA / cudelta · vLLM's pair ÷ "
-             "cudelta's → vLLM's pair ÷ cudelta's step alone (the conv fused in at no cost: the ceiling) · the "
-             "conv's share of vLLM's pair. — not timed; ✗ disagrees with the reference.", ""]
+             "Cell: conv µs, vLLM / cudelta · step µs, vLLM CUDA / cudelta · conv + step µs, vLLM's conv + vLLM "
+             "CUDA / vLLM's conv + cudelta / cudelta's conv + cudelta · vLLM's pair ÷ cudelta's step after vLLM's "
+             "conv / ÷ cudelta's own pair → vLLM's pair ÷ cudelta's step alone (the conv fused in at no cost: the "
+             "ceiling) · vLLM's conv's share of vLLM's pair. — not timed; ✗ disagrees with the reference.", ""]
     for state in states:
         lines += [f"**state {state}**", "", "| B | " + " | ".join(f"T={t}" for t in tokens) + " |",
                   "|---|" + "---|" * len(tokens)]
@@ -133,11 +149,27 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
                 lines.append(f"- {state}, B <= {report.SMALL_B}: the pair at >= {report.TARGET_SPEEDUP_SMALL_B}x vLLM's "
                              f"in {len(met)} of {len(small)} cells; with the conv fused at no cost in {reach} of "
                              f"{len(tops)} (ceilings {min(tops):.2f}-{max(tops):.2f}x)")
+            own = [(B, t, r) for B in batches for t in tokens if (r := own_pair_ratio(median, state, B, t)) is not None]
+            if own:
+                own_small = [r for B, _, r in own if B <= report.SMALL_B]
+                lines.append(f"- {state}: cudelta's own pair (its conv, then its step) {min(r for *_, r in own):.2f}-"
+                             f"{max(r for *_, r in own):.2f}x vLLM's pair"
+                             + (f"; at B <= {report.SMALL_B} >= {report.TARGET_SPEEDUP_SMALL_B}x in "
+                                f"{sum(r >= report.TARGET_SPEEDUP_SMALL_B for r in own_small)} of {len(own_small)} cells"
+                                if own_small else ""))
             lines.append("")
     return "\n".join(lines + notes) + "\n"
 
 
 # ---------------------------------------------------------------- a worker: one process on the GPU
+
+
+def load_own_conv():
+    try:
+        from cudelta.vllm_compat import causal_conv1d_update
+    except Exception as exc:  # noqa: BLE001
+        return None, f"cannot import cudelta.vllm_compat.causal_conv1d_update ({mb.short(exc)})"
+    return causal_conv1d_update, ""
 
 
 def load_vllm_conv():
@@ -186,15 +218,16 @@ class ConvCell:
                                        conv_state_indices=idx[:, 0], num_accepted_tokens=c.acc,
                                        query_start_loc=c.cu_seqlens, max_query_len=c.T, out=c.mixed_qkv)
 
-    def reference_conv(self, pages, idx):
-        """The reference conv (products rounded to bf16, as vLLM's kernel computes them) into the
-        step's mixed_qkv; returns a copy of its outputs."""
+    def reference_conv(self, pages, idx, bf16_products=True):
+        """The reference conv into the step's mixed_qkv, its products rounded to bf16 as vLLM's
+        kernel computes them (or fp32, as cudelta's); returns a copy of its outputs."""
         import torch
         from cudelta.conv_reference import causal_conv1d_update_reference
 
         c = self.step
         causal_conv1d_update_reference(self.x, self.conv_state(pages), self.weight, None, "silu", idx[:, 0],
-                                       c.cu_seqlens, c.acc, out=c.mixed_qkv, round_products_to=torch.bfloat16)
+                                       c.cu_seqlens, c.acc, out=c.mixed_qkv,
+                                       round_products_to=torch.bfloat16 if bf16_products else None)
         return c.mixed_qkv.clone()
 
 
@@ -229,7 +262,7 @@ def check(cc: ConvCell, name: str, call, idx, base, ref_conv_bytes, ref_conv, co
     if not torch.equal(pages[:, :cc.conv_bytes], ref_conv_bytes):
         details.append("a conv state byte differs from the reference's")
     out_abs = st_abs = 0.0
-    if name == CONV:
+    if name in (CONV, OWN_CONV):
         if not torch.equal(pages[:, cc.conv_bytes:], base[:, cc.conv_bytes:]):
             details.append("the conv changed a byte past the conv state")
     else:
@@ -248,9 +281,9 @@ def check(cc: ConvCell, name: str, call, idx, base, ref_conv_bytes, ref_conv, co
                 state_max_abs=st_abs, detail="; ".join(details))
 
 
-def cell_calls(cc: ConvCell, conv, steps: dict) -> dict:
-    """The calls a cell checks and times, each call(pages, idx): the conv, each step alone (named by
-    its implementation) and each pair."""
+def cell_calls(cc: ConvCell, conv, steps: dict, own_conv=None) -> dict:
+    """The calls a cell checks and times, each call(pages, idx): vLLM's conv, each step alone (named
+    by its implementation) and each pair; with own_conv (cudelta's), it alone and cudelta's pair."""
     c = cc.step
     conv_call = cc.conv_call(conv)
     calls = {CONV: conv_call}
@@ -258,7 +291,17 @@ def cell_calls(cc: ConvCell, conv, steps: dict) -> dict:
         step = c.mtp_call(f)
         calls[n] = lambda pages, idx, step=step: step(cc.recurrent(pages), idx)
         calls[PAIR[n]] = lambda pages, idx, step=step: (conv_call(pages, idx), step(cc.recurrent(pages), idx))
+    if own_conv is not None:
+        own_call = calls[OWN_CONV] = cc.conv_call(own_conv)
+        if report.CUDELTA in steps:
+            step = c.mtp_call(steps[report.CUDELTA])
+            calls[OWN_PAIR] = lambda pages, idx: (own_call(pages, idx), step(cc.recurrent(pages), idx))
     return calls
+
+
+def conv_of(name: str) -> str:
+    """The conv a checked call runs: cudelta's for its conv and its own pair, else vLLM's."""
+    return OWN_CONV if name in (OWN_CONV, OWN_PAIR) else CONV
 
 
 def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
@@ -269,8 +312,11 @@ def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
     base = cc.pool(1 + c.B * c.T + mb.SPARE_SLOTS, random_bytes=True)
     idx = c.slot_sets(1)[0]
     ref_pages = base.clone()
-    ref_conv = cc.reference_conv(ref_pages, idx)
+    ref_conv = {CONV: cc.reference_conv(ref_pages, idx)}
     ref_conv_bytes = ref_pages[:, :cc.conv_bytes].clone()  # all a check needs of it: a pool copy fewer
+    if OWN_CONV in calls:  # fp32 products: the same window bytes, outputs within an ulp of the above
+        ref_pages.copy_(base)
+        ref_conv[OWN_CONV] = cc.reference_conv(ref_pages, idx, bf16_products=False)
     del ref_pages
     where = dict(state=c.state_name, B=c.B, T=c.T)
     ran = set()
@@ -278,7 +324,7 @@ def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
         if name in STEPS:
             continue
         try:
-            r = check(cc, name, call, idx, base, ref_conv_bytes, ref_conv, calls[CONV])
+            r = check(cc, name, call, idx, base, ref_conv_bytes, ref_conv[conv_of(name)], calls[conv_of(name)])
         except Exception as exc:  # noqa: BLE001
             result["skips"].append(dict(where, impl=name, reason=mb.short(exc)))
             traceback.print_exc()
@@ -290,12 +336,12 @@ def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
     return ran | {n for n in STEPS if PAIR[n] in ran}
 
 
-def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict) -> None:
+def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict, own_conv=None) -> None:
     import torch
 
     cc = ConvCell(state, B, T, seed=1000 * B + T)
     c = cc.step
-    calls = cell_calls(cc, conv, steps)
+    calls = cell_calls(cc, conv, steps, own_conv)
     checked = check_cell(cc, calls, result)
     mb.empty_cache()
 
@@ -335,10 +381,11 @@ def run_worker(args) -> int:
         print("conv_share: needs an NVIDIA GPU", file=sys.stderr)
         return 2
     conv, why = load_vllm_conv()
+    own_conv, why_own = load_own_conv()
     mtp, _decode, why_cudelta = mb.load_cudelta()
     vllm, why_vllm = mb.load_vllm_cuda(args.cuda_op_so, args.cuda_op_reason)
     result = {"device": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", "times": [], "skips": [],
-              "checks": [], "reasons": {CONV: why, report.CUDELTA: why_cudelta, report.VLLM_CUDA: why_vllm}}
+              "checks": [], "reasons": {CONV: why, OWN_CONV: why_own, report.CUDELTA: why_cudelta, report.VLLM_CUDA: why_vllm}}
     if conv is None:
         print(f"conv_share: {why}", file=sys.stderr)
         Path(args.worker).write_text(json.dumps(result))
@@ -348,7 +395,7 @@ def run_worker(args) -> int:
         for B in args.batches:
             for T in args.tokens:
                 try:
-                    run_cell(state, B, T, conv, steps, result)
+                    run_cell(state, B, T, conv, steps, result, own_conv)
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()
                     result["skips"].append(dict(state=state, B=B, T=T, impl=CONV, reason=f"cell failed: {mb.short(exc)}"))

@@ -3,6 +3,7 @@
 //
 //   cudelta::decode          one decode call, Gated DeltaNet or (per_channel) Kimi Delta Attention:
 //                            each request's tokens in order, the state pool updated in place
+//   cudelta::conv_update     the causal-conv1d update that precedes the step in vLLM's GDN layer
 //   cudelta::select_variant  the kernel variant that runs on a device for a batch (auto or forced)
 //   cudelta::probe           what the driver loaded on a device: __CUDA_ARCH__, feature flags, and
 //                            the variant auto picks for large batches
@@ -18,6 +19,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -486,6 +488,123 @@ void decode_op(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optio
                     gate_activation, variant, pdl});
 }
 
+// cudelta::conv_update: the causal-conv1d update before the step (ConvUpdateParams, launch.h).
+// Shapes, dtypes and strides are checked here; the per-request data (slots, spans, accepted counts)
+// on the device, where a request the pool cannot hold is skipped (cudelta/conv_reference.py raises).
+void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Tensor> bias, Tensor indices,
+                    std::optional<Tensor> cu_seqlens, std::optional<Tensor> num_accepted_tokens, Tensor out,
+                    int64_t null_block_id, bool silu, bool pdl) {
+  const char* op = "cudelta.conv_update";
+  CUDELTA_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor");
+  const int device = x.get_device_index();
+  for (auto [t, name] : {std::pair<const Tensor&, const char*>{conv_state, "conv_state"}, {weight, "weight"},
+                         {indices, "conv_state_indices"}, {out, "out"}}) {
+    check_cuda(op, t, name, device);
+  }
+  for (auto [t, name] : {std::pair<const std::optional<Tensor>&, const char*>{bias, "bias"},
+                         {cu_seqlens, "cu_seqlens"}, {num_accepted_tokens, "num_accepted_tokens"}}) {
+    if (t.has_value()) check_cuda(op, *t, name, device);
+  }
+  CUDELTA_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [tokens, dim] with dim contiguous, got ",
+                shape_of(x));
+  const int64_t L = x.size(0), dim = x.size(1);
+  CUDELTA_CHECK(weight.dim() == 2 && weight.size(0) == dim, op, ": weight must be [dim=", dim, ", width], got ",
+                shape_of(weight));
+  const int64_t width = weight.size(1);
+  CUDELTA_CHECK(width >= 2 && width <= 4, op, ": conv width ", width, " is not supported; accepted: 2, 3, 4");
+  CUDELTA_CHECK(conv_state.dim() == 3 && conv_state.size(1) == dim && conv_state.size(2) >= width - 1, op,
+                ": conv_state must be [slots, dim=", dim, ", state_len >= width - 1 = ", width - 1, "], got ",
+                shape_of(conv_state));
+  for (int64_t d = 0; d < 3; ++d)
+    CUDELTA_CHECK(conv_state.stride(d) >= 0, op, ": conv_state's strides must be non-negative");
+  CUDELTA_CHECK(out.dim() == 2 && out.size(0) == L && out.size(1) == dim && out.stride(1) == 1 &&
+                    out.scalar_type() == x.scalar_type(),
+                op, ": out must be x's shape ", shape_of(x), " and dtype ", dtype_name(x.scalar_type()),
+                " with dim contiguous, got ", dtype_name(out.scalar_type()), " ", shape_of(out));
+  if (bias.has_value())
+    CUDELTA_CHECK(bias->dim() == 1 && bias->size(0) == dim && bias->is_contiguous(), op,
+                  ": bias must be a contiguous [dim=", dim, "], got ", shape_of(*bias));
+  CUDELTA_CHECK(indices.dim() == 1 && indices.stride(0) >= 0 &&
+                    (indices.scalar_type() == ScalarType::Int || indices.scalar_type() == ScalarType::Long),
+                op, ": conv_state_indices must be an int32/int64 [N] tensor (a slot a request; any stride), got ",
+                dtype_name(indices.scalar_type()), " ", shape_of(indices));
+  const int64_t N = indices.size(0);
+  CUDELTA_CHECK(cu_seqlens.has_value() == num_accepted_tokens.has_value(), op,
+                ": cu_seqlens and num_accepted_tokens go together (speculative decoding) or not at all "
+                "(one token a row)");
+  if (cu_seqlens.has_value()) {
+    check_index(op, *cu_seqlens, "cu_seqlens", {N + 1}, "token offsets [N+1]");
+    check_index(op, *num_accepted_tokens, "num_accepted_tokens", {N}, "accepted tokens a request");
+  } else {
+    CUDELTA_CHECK(L == N, op, ": one token a row: x has ", L, " rows for ", N, " conv_state_indices");
+  }
+  const Span state_span = span_of(conv_state);
+  for (auto [t, name] : {std::pair<const Tensor&, const char*>{x, "x"}, {out, "out"}}) {
+    const Span s = span_of(t);
+    CUDELTA_CHECK(s.lo == s.hi || state_span.lo == state_span.hi || s.hi <= state_span.lo || state_span.hi <= s.lo,
+                  op, ": ", name, " shares memory with conv_state");
+  }
+
+  ConvUpdateParams p{};
+  p.x = x.data_ptr();
+  p.x_dtype = float_dtype(op, "x", x.scalar_type());
+  p.x_stride_row = x.stride(0);
+  p.out = out.data_ptr();
+  p.out_stride_row = out.stride(0);
+  p.conv_state = conv_state.data_ptr();
+  p.state_dtype = float_dtype(op, "conv_state", conv_state.scalar_type());
+  p.cs_slot = conv_state.stride(0);
+  p.cs_dim = conv_state.stride(1);
+  p.cs_col = conv_state.stride(2);
+  p.weight = weight.data_ptr();
+  p.weight_dtype = float_dtype(op, "weight", weight.scalar_type());
+  p.w_stride_dim = weight.stride(0);
+  p.w_stride_tap = weight.stride(1);
+  if (bias.has_value()) {
+    p.bias = bias->data_ptr();
+    p.bias_dtype = float_dtype(op, "bias", bias->scalar_type());
+  }
+  p.indices = indices.data_ptr();
+  p.indices_int64 = indices.scalar_type() == ScalarType::Long;
+  p.indices_stride = indices.stride(0);
+  if (cu_seqlens.has_value()) {
+    p.cu_seqlens = cu_seqlens->data_ptr();
+    p.cu_int64 = cu_seqlens->scalar_type() == ScalarType::Long;
+    p.accepted = num_accepted_tokens->data_ptr();
+    p.accepted_int64 = num_accepted_tokens->scalar_type() == ScalarType::Long;
+  }
+  p.N = N;
+  p.dim = dim;
+  p.width = width;
+  p.state_len = conv_state.size(2);
+  p.slots = conv_state.size(0);
+  p.L = L;
+  p.null_block_id = null_block_id;
+  p.silu = silu;
+  // Runs of 4 channels as vectors: each run's bytes aligned to their size in x, out and the state.
+  const auto run_aligned = [](const Tensor& t, std::initializer_list<int64_t> strides) {
+    const int64_t run = 4 * static_cast<int64_t>(t.element_size());
+    bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % run == 0;
+    for (int64_t s : strides) ok = ok && (s * static_cast<int64_t>(t.element_size())) % run == 0;
+    return ok;
+  };
+  const bool one_dtype = conv_state.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type() &&
+                        (!bias.has_value() || bias->scalar_type() == x.scalar_type());
+  p.vec = one_dtype && dim % 4 == 0 && conv_state.stride(1) == 1 && run_aligned(x, {x.stride(0)}) &&
+          run_aligned(out, {out.stride(0)}) && run_aligned(conv_state, {conv_state.stride(0), conv_state.stride(2)}) &&
+          (!bias.has_value() || run_aligned(*bias, {})) && weight.stride(1) == 1 && weight.stride(0) == width &&
+          reinterpret_cast<uintptr_t>(weight.data_ptr()) % 8 == 0;
+  ImageInfo info{};
+  select(device, -1, 1, &info);  // names a GPU this build has no image for
+  p.pdl = pdl && info.cuda_arch >= 900;
+
+  torch::stable::accelerator::DeviceGuard guard(device);
+  void* stream = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
+  const int err = launch_conv_update(p, stream);
+  CUDELTA_CHECK(err == 0, op, ": kernel launch failed: ", cuda_error_string(err));
+}
+
 int64_t select_variant(int64_t device, int64_t requested, int64_t heads) {
   ImageInfo info{};
   return static_cast<int64_t>(select(static_cast<int>(device), requested, heads, &info));
@@ -530,6 +649,12 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
       "Tensor? num_accepted_tokens, Tensor? output_gate, Tensor? norm_weight, float scale, float norm_eps, "
       "bool per_channel, bool use_qk_l2norm, int layout, int min_slot, int tokens, int gate_activation, "
       "int variant, bool pdl) -> ()");
+  // The causal-conv1d update before the step: x [tokens, dim], conv_state [slots, dim, state_len]
+  // updated in place, out [tokens, dim] (may be x); one token a row, or cu_seqlens with
+  // num_accepted_tokens (speculative decoding); silu or no activation.
+  m.def(
+      "conv_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor conv_state_indices, "
+      "Tensor? cu_seqlens, Tensor? num_accepted_tokens, Tensor(b!) out, int null_block_id, bool silu, bool pdl) -> ()");
   m.def("select_variant(int device, int requested, int heads) -> int");
   m.def("probe(int device) -> int[]");
   m.def("build_info() -> str");
@@ -538,6 +663,7 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(cudelta, CUDA, m) {
   m.impl("decode", TORCH_BOX(&cudelta::decode_op));
+  m.impl("conv_update", TORCH_BOX(&cudelta::conv_update_op));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cudelta, CompositeExplicitAutograd, m) {

@@ -252,9 +252,13 @@ def variants() -> Mapping[str, int]:
 
 
 def _register_fake() -> None:
-    # The op writes `state` and `out` in place and returns nothing, so under torch.compile /
+    # The ops write their state and `out` in place and return nothing, so under torch.compile /
     # FakeTensor there is nothing to compute (the schema: csrc/ops.cpp).
     @torch.library.register_fake("cudelta::decode")
+    def _(*args):
+        return None
+
+    @torch.library.register_fake("cudelta::conv_update")
     def _(*args):
         return None
 

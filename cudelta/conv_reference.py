@@ -1,9 +1,10 @@
 """PyTorch reference of the causal-conv1d update that precedes the step in vLLM's GDN layer.
 
 vLLM 0.33 runs `causal_conv1d_update` (a Triton kernel of its own) on the projected `mixed_qkv`
-before `fused_gdn_decode_post_conv_mtp`; cudelta does not fuse it yet (ARCHITECTURE.md, "Not fused
-yet"). This is the semantics a fused step must keep, and what benchmarks/conv_share.py checks
-vLLM's kernel against before timing it:
+before `fused_gdn_decode_post_conv_mtp`; cudelta runs it as a kernel of its own too
+(cudelta.conv.causal_conv1d_update, kernels/conv_update.cuh), not fused into the step yet
+(ARCHITECTURE.md, "Not fused yet"). This is the semantics both keep, and a fused step must, and
+what benchmarks/conv_share.py checks vLLM's kernel and cudelta's against before timing them:
 
 - conv_state [slots, dim, state_len], any strides (vLLM's default "SD" layout stores each page's
   state as [state_len, dim] and passes the transposed view). Request n's window lives in slot
@@ -33,7 +34,10 @@ import torch.nn.functional as F
 ACTIVATIONS = (None, "silu", "swish")
 
 
-def _check(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens, out):
+def check_conv_call(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens,
+                    out) -> None:
+    """The shape, dtype and form rules of a conv update call: ValueError naming the bad argument. The
+    per-request data (slots, spans, accepted counts) the reference checks as it plans."""
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, dim]; got shape {tuple(x.shape)}")
     if conv_state.dim() != 3:
@@ -87,7 +91,7 @@ def causal_conv1d_update_reference(
     vLLM's Triton kernel computes it (bf16 times bf16 stays bf16 there; torch.bfloat16 models it).
     Its error grows with the products, not with their sum, so a check of vLLM's kernel against the
     fp32 products needs a tolerance as loose as the largest product; against this, one ulp."""
-    _check(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens, out)
+    check_conv_call(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens, out)
     width, state_len, slots = weight.shape[1], conv_state.shape[2], conv_state.shape[0]
     result = x.clone() if out is None else out
     indices = conv_state_indices.tolist()

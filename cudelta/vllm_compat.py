@@ -3,8 +3,10 @@
     # before
     from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
     from vllm._custom_ops import fused_gdn_decode_post_conv_mtp
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
     # after
-    from cudelta.vllm_compat import fused_recurrent_gated_delta_rule_packed_decode, fused_gdn_decode_post_conv_mtp
+    from cudelta.vllm_compat import (fused_recurrent_gated_delta_rule_packed_decode, fused_gdn_decode_post_conv_mtp,
+                                     causal_conv1d_update)
 
 Both read q, k and v in place from the packed `mixed_qkv` (views, no copies) and update vLLM's state
 pool in place ([slots, HV, V, K], slot 0 the null block; a padded page layout is a view whose slot
@@ -18,6 +20,11 @@ step (several tokens, a checkpoint per token, the gated RMSNorm epilogue) the mu
 Where vLLM's result is undefined, cudelta's is not: a slot >= the pool's size counts as invalid, a
 request with more tokens than state_indices has columns is refused, and output rows after
 cu_seqlens[N] (an engine's padding tokens, which vLLM leaves as they were) are zeroed.
+
+`causal_conv1d_update`, the conv that precedes the step in vLLM's GDN layer, runs cudelta's conv
+kernel (cudelta.conv; not fused into the step yet) in the two forms the layer's decode calls: one
+token a row ([batch, dim]), and the speculative varlen form (query_start_loc with
+num_accepted_tokens). Like vLLM's, it writes x in place unless `out` is given.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from . import conv
 from .ops import gdn_decode
 
 MTP_HEAD_DIM = 128  # the CUDA op's K = V
@@ -229,3 +237,41 @@ def fused_gdn_decode_post_conv_mtp(
                cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
                norm_weight=norm_weight.view(D), norm_eps=norm_eps, gate_activation=output_gate_activation)
     return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation: "bool | str | None" = None,
+    conv_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    query_start_loc: Optional[torch.Tensor] = None,
+    max_query_len: int = -1,
+    null_block_id: int = 0,
+    validate_data: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """vLLM's causal-conv1d update (vllm/model_executor/layers/mamba/ops/causal_conv1d.py): x [batch,
+    dim] one token a row, or [num_tokens, dim] with query_start_loc [batch+1] and num_accepted_tokens
+    [batch] (speculative decoding); conv_state [slots, dim, state_len] (any strides: vLLM passes the
+    transposed view of its [state_len, dim] pages) updated in place; weight [dim, width]. Returns
+    `out`, x itself when out is None. max_query_len and validate_data are vLLM's and change nothing
+    here: the arguments are always checked."""
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    _require(activation in (None, "silu", "swish"),
+             f"activation must be True, False, None, 'silu' or 'swish'; got {activation!r}")
+    _require(x.dim() == 2, f"x must be [batch, dim] or, with query_start_loc, [num_tokens, dim]; got shape "
+                           f"{tuple(x.shape)} (the [batch, dim, seqlen] form is not taken)")
+    _require((query_start_loc is None) == (num_accepted_tokens is None),
+             "query_start_loc and num_accepted_tokens go together (speculative decoding) or not at all "
+             "(one token a row); the varlen form without accepted tokens is vLLM's prefill path, not taken")
+    _require(null_block_id is not None, "null_block_id must be an int (vLLM's null block, 0)")
+    if conv_state_indices is None:
+        batch = x.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
+        conv_state_indices = torch.arange(batch, dtype=torch.int32, device=x.device)
+    _same_device(x=x, conv_state=conv_state, weight=weight, conv_state_indices=conv_state_indices)
+    return conv.causal_conv1d_update(x, conv_state, weight, bias, activation, conv_state_indices, query_start_loc,
+                                     num_accepted_tokens, int(null_block_id), x if out is None else out)

@@ -105,6 +105,44 @@ struct GdnDecodeParams {
 };
 
 
+// The causal-conv1d update that precedes the step in vLLM's GDN layer (kernels/conv_update.cuh;
+// semantics: cudelta/conv_reference.py). Request n's window is conv_state[indices[n], :, off : off +
+// width - 1] (off = accepted[n] - 1 with cu_seqlens, else 0), its tokens x's rows bos..eos - 1
+// (cu_seqlens [N+1], else row n); each token's output is act(bias + sum_j weight[:, j] * seq[t + j])
+// in fp32, rounded to the state's dtype and stored in x's; the sequence without its first column goes
+// back to columns 0 .. width - 3 + tokens. A slot equal to null_block_id (or out of range) is skipped.
+struct ConvUpdateParams {
+  const void* x;  // [L, dim], channels contiguous
+  DType x_dtype;
+  int64_t x_stride_row;
+  void* out;  // [L, dim], x's dtype, channels contiguous; may be x
+  int64_t out_stride_row;
+  void* conv_state;  // [slots, dim, state_len], strides in elements
+  DType state_dtype;
+  int64_t cs_slot, cs_dim, cs_col;
+  const void* weight;  // [dim, width]
+  DType weight_dtype;
+  int64_t w_stride_dim, w_stride_tap;
+  const void* bias;  // [dim], contiguous, or null
+  DType bias_dtype;
+  const void* indices;  // [N], indices_stride elements apart (vLLM passes a column of its block table)
+  bool indices_int64;
+  int64_t indices_stride;
+  const void* cu_seqlens;  // [N+1] or null: one token a row
+  bool cu_int64;
+  const void* accepted;  // [N], with cu_seqlens
+  bool accepted_int64;
+  int64_t N, dim, width, state_len, slots, L, null_block_id;
+  bool silu;
+  bool pdl;  // launched with programmatic dependent launch (sm_90+ images)
+  // x, the state, the weight and the bias share one dtype, every run of 4 channels from a multiple
+  // of 4 is aligned to its size in x, out, the bias and each column of the conv state (channels
+  // contiguous there, cs_dim 1), and the weight is a contiguous [dim, width] on 8 bytes: a thread
+  // moves 4 channels as vectors.
+  bool vec;
+};
+__attribute__((visibility("hidden"))) int launch_conv_update(const ConvUpdateParams& p, void* stream);  // units/conv.cu
+
 // Launch one variant's kernels on `stream` (a cudaStream_t) for params within the grid's limits
 // (launch_gdn_decode splits larger batches). Returns 0 or a cudaError_t value.
 using LaunchFn = int (*)(const GdnDecodeParams& p, void* stream);

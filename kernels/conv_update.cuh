@@ -1,0 +1,272 @@
+// The causal-conv1d update that precedes the step in vLLM's GDN layer, as a kernel of its own
+// (cudelta/conv_reference.py is its semantics; ConvUpdateParams in launch.h its arguments). Not
+// fused into the step yet (ARCHITECTURE.md, "Not fused yet"): this is the piece the fused step's
+// staging will take over, and until then it lets an engine run the layer's decode pair on
+// cudelta's kernels, the two chained by programmatic dependent launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/dtype.cuh"
+#include "common/ptx.cuh"
+#include "launch.h"
+
+namespace cudelta {
+namespace {
+
+constexpr int kConvThreads = 64;
+// Tokens a thread loads before it computes any: a request's tokens in batches of this many.
+constexpr int kConvTokenBatch = 8;
+
+// Element i of an int32 or int64 index tensor with `stride` elements between entries: both words
+// loaded without a branch on the dtype, so the loads of a request go out together (a load inside a
+// dtype branch is waited for there: kernels/common/dtype.cuh).
+__device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t i) {
+  const int32_t* w = static_cast<const int32_t*>(p);
+  const int32_t lo = w[is64 ? 2 * i : i], hi = w[is64 ? 2 * i + 1 : i];
+  return is64 ? static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) | static_cast<uint32_t>(lo))
+              : static_cast<int64_t>(lo);
+}
+
+// Four consecutive elements of T (float, __nv_bfloat16 or __half) as one 16- or 8-byte vector: raw
+// loads first, widened after, so a thread's loads go out together and it waits once. (A load whose
+// width depends on a run-time dtype sits in a branch, and the warp waits for it where the branch
+// joins: the vector path is compiled for each dtype instead.)
+template <typename T>
+struct Four {
+  using Raw = std::conditional_t<std::is_same_v<T, float>, float4, uint2>;
+  static __device__ __forceinline__ Raw load(const void* p, int64_t at) {
+    return *reinterpret_cast<const Raw*>(static_cast<const T*>(p) + at);
+  }
+  static __device__ __forceinline__ void widen(const Raw& r, float* x) {
+    if constexpr (std::is_same_v<T, float>) {
+      x[0] = r.x; x[1] = r.y; x[2] = r.z; x[3] = r.w;
+    } else {
+      using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+      float2 a, b;
+      if constexpr (std::is_same_v<T, __half>) {
+        a = __half22float2(*reinterpret_cast<const T2*>(&r.x));
+        b = __half22float2(*reinterpret_cast<const T2*>(&r.y));
+      } else {
+        a = __bfloat1622float2(*reinterpret_cast<const T2*>(&r.x));
+        b = __bfloat1622float2(*reinterpret_cast<const T2*>(&r.y));
+      }
+      x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+    }
+  }
+  static __device__ __forceinline__ float to_float(T x) {
+    if constexpr (std::is_same_v<T, float>) return x;
+    else if constexpr (std::is_same_v<T, __half>) return __half2float(x);
+    else return __bfloat162float(x);
+  }
+  static __device__ __forceinline__ float round(float x) {
+    if constexpr (std::is_same_v<T, float>) return x;
+    else if constexpr (std::is_same_v<T, __half>) return __half2float(__float2half_rn(x));
+    else return __bfloat162float(__float2bfloat16_rn(x));
+  }
+  static __device__ __forceinline__ void store(void* p, int64_t at, const float* x) {
+    if constexpr (std::is_same_v<T, float>) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p) + at) = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+      uint2 r;
+      if constexpr (std::is_same_v<T, __half>) {
+        const __half2 a = __floats2half2_rn(x[0], x[1]), b = __floats2half2_rn(x[2], x[3]);
+        r = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+      } else {
+        const __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
+        r = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+      }
+      *reinterpret_cast<uint2*>(static_cast<T*>(p) + at) = r;
+    }
+  }
+};
+
+// The element access of one build: T void, a channel a thread with every dtype a run-time value
+// (predicated loads); T a dtype, four channels a thread as vectors, x, the state, the weight and the
+// bias all of T (the launch picks it where p.vec holds: vLLM's bf16 layer).
+template <typename T>
+struct ConvAccess {
+  static constexpr int C = 4;
+  using Raw = typename Four<T>::Raw;
+  // The thread's W taps of its 4 channels (weight [dim, W] contiguous, of T): 8-byte vectors.
+  template <int W>
+  static __device__ __forceinline__ void load_weights(const ConvUpdateParams& p, int64_t c, float (&w)[C][W], float (&b)[C]) {
+    constexpr int kUnits = W * C * static_cast<int>(sizeof(T)) / 8;
+    uint2 r[kUnits];
+    const uint2* src = reinterpret_cast<const uint2*>(static_cast<const T*>(p.weight) + c * W);
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) r[i] = src[i];
+    Raw rb{};
+    if (p.bias) rb = Four<T>::load(p.bias, c);
+    const T* e = reinterpret_cast<const T*>(r);
+#pragma unroll
+    for (int m = 0; m < C; ++m)
+#pragma unroll
+      for (int j = 0; j < W; ++j) w[m][j] = Four<T>::to_float(e[m * W + j]);
+    if (p.bias) Four<T>::widen(rb, b);
+  }
+  static __device__ __forceinline__ Raw load_x(const ConvUpdateParams& p, int64_t row, int64_t c) {
+    return Four<T>::load(p.x, row * p.x_stride_row + c);
+  }
+  static __device__ __forceinline__ Raw load_state(const ConvUpdateParams& p, const void* col0, int64_t col) {
+    return Four<T>::load(col0, col * p.cs_col);
+  }
+  static __device__ __forceinline__ void widen(const ConvUpdateParams&, const Raw& r, DType, float* x) {
+    Four<T>::widen(r, x);
+  }
+  static __device__ __forceinline__ float to_state(const ConvUpdateParams&, float x) { return Four<T>::round(x); }
+  static __device__ __forceinline__ void store_out(const ConvUpdateParams& p, int64_t row, int64_t c, const float* y) {
+    Four<T>::store(p.out, row * p.out_stride_row + c, y);
+  }
+  static __device__ __forceinline__ void store_state(const ConvUpdateParams& p, void* col0, int64_t col, const float* v) {
+    Four<T>::store(col0, col * p.cs_col, v);
+  }
+};
+template <>
+struct ConvAccess<void> {
+  static constexpr int C = 1;
+  using Raw = uint32_t;
+  template <int W>
+  static __device__ __forceinline__ void load_weights(const ConvUpdateParams& p, int64_t c, float (&w)[C][W], float (&b)[C]) {
+    uint32_t bits[W], bb = 0;
+#pragma unroll
+    for (int j = 0; j < W; ++j) bits[j] = load_bits(p.weight, p.weight_dtype, c * p.w_stride_dim + j * p.w_stride_tap);
+    if (p.bias) bb = load_bits(p.bias, p.bias_dtype, c);
+    widen_all<W>(bits, p.weight_dtype, w[0]);
+    if (p.bias) b[0] = widen_bits(bb, p.bias_dtype);
+  }
+  static __device__ __forceinline__ Raw load_x(const ConvUpdateParams& p, int64_t row, int64_t c) {
+    return load_bits(p.x, p.x_dtype, row * p.x_stride_row + c);
+  }
+  static __device__ __forceinline__ Raw load_state(const ConvUpdateParams& p, const void* col0, int64_t col) {
+    return load_bits(col0, p.state_dtype, col * p.cs_col);
+  }
+  static __device__ __forceinline__ void widen(const ConvUpdateParams&, const Raw& r, DType t, float* x) {
+    *x = widen_bits(r, t);
+  }
+  static __device__ __forceinline__ float to_state(const ConvUpdateParams& p, float x) { return rounded(x, p.state_dtype); }
+  static __device__ __forceinline__ void store_out(const ConvUpdateParams& p, int64_t row, int64_t c, const float* y) {
+    store_f(p.out, p.x_dtype, row * p.out_stride_row + c, *y);
+  }
+  static __device__ __forceinline__ void store_state(const ConvUpdateParams& p, void* col0, int64_t col, const float* v) {
+    store_f(col0, p.state_dtype, col * p.cs_col, *v);
+  }
+};
+
+// A thread a (request, C consecutive channels): the channels' windows (W - 1 columns of the slot,
+// from column num_accepted - 1), weights and tokens in registers, then the request's tokens in
+// order. Every read of the slot comes before its first write, and no other thread touches the
+// channels' columns, so the update is safe in place and the output may alias x. A request the pool
+// cannot hold (a slot out of range, rows outside x, a window or new state past state_len) is skipped
+// like a null slot: the reference raises for it, which a kernel cannot without a host sync, and
+// nothing is half-written.
+template <int W, typename T>
+__global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpdateParams p) {
+  using A = ConvAccess<T>;
+  constexpr int C = A::C;
+  pdl_enter();
+  const int64_t c = (int64_t(blockIdx.x) * kConvThreads + threadIdx.x) * C;
+  if (c >= p.dim) return;
+  float w[C][W], b[C] = {};
+  A::template load_weights<W>(p, c, w, b);
+  char* const cs = static_cast<char*>(p.conv_state);
+  const int64_t es = p.state_dtype == DType::kFloat32 ? 4 : 2;
+  for (int64_t n = blockIdx.y; n < p.N; n += gridDim.y) {
+    const int64_t slot = load_index(p.indices, p.indices_int64, n * p.indices_stride);
+    int64_t bos = n, eos = n + 1, off = 0;
+    if (p.cu_seqlens) {
+      bos = load_index(p.cu_seqlens, p.cu_int64, n);
+      eos = load_index(p.cu_seqlens, p.cu_int64, n + 1);
+      off = load_index(p.accepted, p.accepted_int64, n) - 1;
+    }
+    const int64_t tokens = eos - bos;
+    if (slot == p.null_block_id || slot < 0 || slot >= p.slots || tokens <= 0 || bos < 0 || eos > p.L || off < 0 ||
+        off + W - 1 > p.state_len || W - 2 + tokens > p.state_len)
+      continue;
+    void* const col0 = cs + (slot * p.cs_slot + c * p.cs_dim) * es;  // the channels' column 0
+    float win[W - 1 + kConvTokenBatch][C];  // the window, then a batch of tokens
+    for (int64_t t0 = 0; t0 < tokens; t0 += kConvTokenBatch) {
+      const int batch = static_cast<int>(tokens - t0 < kConvTokenBatch ? tokens - t0 : kConvTokenBatch);
+      typename A::Raw xr[kConvTokenBatch], sr[W - 1];
+#pragma unroll
+      for (int t = 0; t < kConvTokenBatch; ++t)
+        if (t < batch) xr[t] = A::load_x(p, bos + t0 + t, c);
+      if (t0 == 0) {
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) sr[j] = A::load_state(p, col0, off + j);
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) A::widen(p, sr[j], p.state_dtype, win[j]);
+        // The window's last W - 2 columns move to the front: the state after the request is the
+        // sequence (window, tokens) without its first column.
+#pragma unroll
+        for (int j = 1; j < W - 1; ++j) A::store_state(p, col0, j - 1, win[j]);
+      }
+#pragma unroll
+      for (int t = 0; t < kConvTokenBatch; ++t) {
+        if (t >= batch) break;
+        A::widen(p, xr[t], p.x_dtype, win[W - 1 + t]);
+        float y[C];
+#pragma unroll
+        for (int m = 0; m < C; ++m) {
+          const float xt = A::to_state(p, win[W - 1 + t][m]);  // x as the state's dtype, as vLLM converts it
+          win[W - 1 + t][m] = xt;
+          // Products summed in tap order, then the bias: the reference's order, without contraction.
+          float s = __fmul_rn(w[m][0], win[t][m]);
+#pragma unroll
+          for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[m][j], win[t + j][m]));
+          s = __fadd_rn(b[m], s);
+          // SiLU with the fast exp and division (a few fp32 ulps, under the output's rounding): the
+          // precise ones were most of a token's latency chain where few warps share an SM.
+          if (p.silu) s = __fdividef(s, 1.f + __expf(-s));
+          y[m] = A::to_state(p, s);
+        }
+        A::store_out(p, bos + t0 + t, c, y);
+        A::store_state(p, col0, W - 2 + t0 + t, win[W - 1 + t]);
+      }
+      // A full batch's last W - 1 values open the next batch's window (only a full batch has a next).
+#pragma unroll
+      for (int j = 0; j < W - 1; ++j)
+#pragma unroll
+        for (int m = 0; m < C; ++m) win[j][m] = win[kConvTokenBatch + j][m];
+    }
+  }
+}
+
+template <int W, typename T>
+int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
+  constexpr int C = ConvAccess<T>::C;
+  cudaLaunchConfig_t cfg = {};
+  const int64_t threads = (p.dim + C - 1) / C;
+  cfg.gridDim = dim3(static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads),
+                     static_cast<unsigned>(p.N < kMaxGridYZ ? p.N : kMaxGridYZ), 1);
+  cfg.blockDim = dim3(kConvThreads, 1, 1);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  if (p.pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs = 1;
+  }
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T>, p));
+}
+
+// Four channels a thread as vectors where p.vec holds (the dtypes agree, every run is aligned);
+// else a channel a thread.
+template <int W>
+int launch_conv_width(const ConvUpdateParams& p, cudaStream_t stream) {
+  if (p.vec) {
+    switch (p.state_dtype) {
+      case DType::kBFloat16: return launch_conv_build<W, __nv_bfloat16>(p, stream);
+      case DType::kFloat16: return launch_conv_build<W, __half>(p, stream);
+      case DType::kFloat32: return launch_conv_build<W, float>(p, stream);
+    }
+  }
+  return launch_conv_build<W, void>(p, stream);
+}
+
+}  // namespace
+}  // namespace cudelta
