@@ -3,10 +3,8 @@
     # before
     from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
     from vllm._custom_ops import fused_gdn_decode_post_conv_mtp
-    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
     # after
-    from cudelta.vllm_compat import (fused_recurrent_gated_delta_rule_packed_decode, fused_gdn_decode_post_conv_mtp,
-                                     causal_conv1d_update)
+    from cudelta.vllm_compat import fused_recurrent_gated_delta_rule_packed_decode, fused_gdn_decode_post_conv_mtp
 
 Both read q, k and v in place from the packed `mixed_qkv` (views, no copies) and update vLLM's state
 pool in place ([slots, HV, V, K], slot 0 the null block; a padded page layout is a view whose slot
@@ -21,10 +19,12 @@ Where vLLM's result is undefined, cudelta's is not: a slot >= the pool's size co
 request with more tokens than state_indices has columns is refused, and output rows after
 cu_seqlens[N] (an engine's padding tokens, which vLLM leaves as they were) are zeroed.
 
-`causal_conv1d_update`, the conv that precedes the step in vLLM's GDN layer, runs cudelta's conv
-kernel (cudelta.conv; not fused into the step yet) in the two forms the layer's decode calls: one
-token a row ([batch, dim]), and the speculative varlen form (query_start_loc with
-num_accepted_tokens). Like vLLM's, it writes x in place unless `out` is given.
+`causal_conv1d_update` (vLLM's vllm/model_executor/layers/mamba/ops/causal_conv1d.py signature), the
+conv that precedes the step in vLLM's GDN layer, runs cudelta's conv kernel (cudelta.conv; not fused
+into the step yet) in the two forms the layer's decode calls: one token a row ([batch, dim]), and
+the speculative varlen form (query_start_loc with num_accepted_tokens). Like vLLM's, it writes x in
+place unless `out` is given. It is correct, but at B <= 32 slower than vLLM's Triton kernel
+(benchmarks/results-h200-conv.md): an engine keeps vLLM's conv in front of the step for now.
 """
 
 from __future__ import annotations
