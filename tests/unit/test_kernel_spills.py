@@ -70,3 +70,13 @@ def test_the_kernels_vllms_calls_run_spill_nothing(unit, arch, tmp_path):
     if unit == "mtp_bfloat16.cu":
         assert any(STAGE_FIRST_BUILD in name for name in pinned)
     assert {name: n for name, n in pinned.items() if n > allowed_bytes(arch, name)} == {}
+
+
+@pytest.mark.parametrize("arch", ["9.0a", "8.0"])
+def test_every_build_of_the_conv_update_spills_nothing(arch, tmp_path):
+    # Widths 2-4, each a channel a thread (v) and four as vectors of fp32, fp16 and bf16: a thread holds
+    # its 4 channels' weights, window and 8 tokens in registers (kernels/conv_update.cuh).
+    spills = {name: n for name, n in ptxas_spill_stores("conv.cu", arch, tmp_path).items()
+              if "conv_update_kernel" in name}
+    assert len(spills) == 12
+    assert {name: n for name, n in spills.items() if n} == {}
