@@ -212,6 +212,9 @@ Span span_of(const Tensor& t) {
   return {first, first + (last + 1) * static_cast<int64_t>(t.element_size())};
 }
 
+// Whether two spans share a byte (an empty span, {0, 0}, meets nothing).
+bool overlaps(Span a, Span b) { return a.lo < b.hi && b.lo < a.hi; }
+
 // Whether bytes meet a slot's block of the pool; the padding between blocks is not the pool's
 // (vLLM keeps each page's conv state there). cudelta/_contract.py _meets_slots in the same terms.
 bool meets_slots(const Tensor& state, int64_t slot_stride, Span s) {
@@ -384,7 +387,7 @@ void decode(const DecodeArgs& x) {
   for (size_t i = 0; i < kInputs; ++i) {
     if (inputs[i].first == nullptr) continue;
     spans[i] = span_of(*inputs[i].first);
-    CUDELTA_CHECK(!(spans[i].lo < out_span.hi && out_span.lo < spans[i].hi), op, ": out shares memory with ",
+    CUDELTA_CHECK(!overlaps(spans[i], out_span), op, ": out shares memory with ",
                   inputs[i].second, accepted, " (out is written while ", inputs[i].second, " is still read)");
   }
   for (size_t i = 0; i < kInputs; ++i) {
@@ -540,9 +543,7 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
   }
   const Span state_span = span_of(conv_state);
   for (auto [t, name] : {std::pair<const Tensor&, const char*>{x, "x"}, {out, "out"}}) {
-    const Span s = span_of(t);
-    CUDELTA_CHECK(s.lo == s.hi || state_span.lo == state_span.hi || s.hi <= state_span.lo || state_span.hi <= s.lo,
-                  op, ": ", name, " shares memory with conv_state");
+    CUDELTA_CHECK(!overlaps(span_of(t), state_span), op, ": ", name, " shares memory with conv_state");
   }
 
   ConvUpdateParams p{};

@@ -281,7 +281,23 @@ def requested_variant(environ: Mapping[str, str], table: Mapping[str, int]) -> i
     return table[raw]
 
 
-def notice_once(key: str, message: str) -> None:
+def notice_once(key: str, message: str, stacklevel: int = 3) -> None:
     if key not in _noticed:
         _noticed.add(key)
-        warnings.warn(f"cudelta: {message}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"cudelta: {message}", RuntimeWarning, stacklevel=stacklevel)
+
+
+def kernels_for(t: torch.Tensor) -> Optional[NativeStatus]:
+    """The loaded library where a call on `t` runs the kernels; None where it runs the PyTorch
+    reference (CPU tensors, or an install without a library), each said once. A library that exists
+    but cannot run here raises NativeLibraryError: an error, not a slow path."""
+    if not t.is_cuda:
+        notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)", stacklevel=4)
+        return None
+    st = status()
+    if not st.loaded:
+        if st.path is not None:
+            raise NativeLibraryError(f"cudelta: {st.reason}")
+        notice_once("no-native", f"{st.reason}; CUDA tensors use the PyTorch reference (slow)", stacklevel=4)
+        return None
+    return st

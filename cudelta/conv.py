@@ -41,14 +41,8 @@ def causal_conv1d_update(
     check_conv_call(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens, out)
     args = (x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens,
             null_block_id)
-    if not x.is_cuda:
-        _native.notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)")
-        return causal_conv1d_update_reference(*args, out=out)
-    st = _native.status()
-    if not st.loaded:
-        if st.path is not None:  # a library that exists but cannot run here is an error, not a slow path
-            raise _native.NativeLibraryError(f"cudelta: {st.reason}")
-        _native.notice_once("no-native", f"{st.reason}; CUDA tensors use the PyTorch reference (slow)")
+    st = _native.kernels_for(x)
+    if st is None:
         return causal_conv1d_update_reference(*args, out=out)
     dtypes = (x.dtype, conv_state.dtype, weight.dtype) + (() if bias is None else (bias.dtype,))
     if any(d not in _NATIVE_DTYPES for d in dtypes) or weight.shape[1] not in _NATIVE_WIDTHS:

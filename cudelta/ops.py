@@ -61,14 +61,8 @@ def _check(call: DecodeCall, overlap: bool = True) -> None:
 
 def _decode(call: DecodeCall) -> torch.Tensor:
     q = call.q
-    if not q.is_cuda:
-        _native.notice_once("cpu", "CPU tensors run the PyTorch reference (the kernels need CUDA tensors)")
-        return decode_reference(call)
-    st = _native.status()
-    if not st.loaded:
-        if st.path is not None:  # a library that exists but cannot run here is an error, not a slow path
-            raise _native.NativeLibraryError(f"cudelta: {st.reason}")
-        _native.notice_once("no-native", f"{st.reason}; CUDA tensors use the PyTorch reference (slow)")
+    st = _native.kernels_for(q)
+    if st is None:
         return decode_reference(call)
     if q.dtype not in _NATIVE_DTYPES:
         _native.notice_once(f"dtype:{q.dtype}", f"q dtype {q.dtype} is not supported by the CUDA kernel; "

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "common/dtype.cuh"
+#include "common/host.cuh"
 #include "common/ptx.cuh"
 #include "launch.h"
 
@@ -20,16 +21,6 @@ namespace {
 constexpr int kConvThreads = 64;
 // Tokens a thread loads before it computes any: a request's tokens in batches of this many.
 constexpr int kConvTokenBatch = 8;
-
-// Element i of an int32 or int64 index tensor with `stride` elements between entries: both words
-// loaded without a branch on the dtype, so the loads of a request go out together (a load inside a
-// dtype branch is waited for there: kernels/common/dtype.cuh).
-__device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t i) {
-  const int32_t* w = static_cast<const int32_t*>(p);
-  const int32_t lo = w[is64 ? 2 * i : i], hi = w[is64 ? 2 * i + 1 : i];
-  return is64 ? static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) | static_cast<uint32_t>(lo))
-              : static_cast<int64_t>(lo);
-}
 
 // Four consecutive elements of T (float, __nv_bfloat16 or __half) as one 16- or 8-byte vector: raw
 // loads first, widened after, so a thread's loads go out together and it waits once. (A load whose
@@ -175,12 +166,12 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
   char* const cs = static_cast<char*>(p.conv_state);
   const int64_t es = p.state_dtype == DType::kFloat32 ? 4 : 2;
   for (int64_t n = blockIdx.y; n < p.N; n += gridDim.y) {
-    const int64_t slot = load_index(p.indices, p.indices_int64, n * p.indices_stride);
+    const int64_t slot = load_index_unbranched(p.indices, p.indices_int64, n * p.indices_stride);
     int64_t bos = n, eos = n + 1, off = 0;
     if (p.cu_seqlens) {
-      bos = load_index(p.cu_seqlens, p.cu_int64, n);
-      eos = load_index(p.cu_seqlens, p.cu_int64, n + 1);
-      off = load_index(p.accepted, p.accepted_int64, n) - 1;
+      bos = load_index_unbranched(p.cu_seqlens, p.cu_int64, n);
+      eos = load_index_unbranched(p.cu_seqlens, p.cu_int64, n + 1);
+      off = load_index_unbranched(p.accepted, p.accepted_int64, n) - 1;
     }
     const int64_t tokens = eos - bos;
     if (slot == p.null_block_id || slot < 0 || slot >= p.slots || tokens <= 0 || bos < 0 || eos > p.L || off < 0 ||
@@ -246,11 +237,7 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
-  if (p.pdl) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.numAttrs = 1;
-  }
+  cfg.numAttrs = add_pdl(p.pdl, attr, 0);
   return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T>, p));
 }
 

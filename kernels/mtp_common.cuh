@@ -54,30 +54,6 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
-__device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t i) {
-  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
-}
-// An index's bits (int32 in lo, or int64), loaded apart from its widening: a load under a condition
-// is then not waited for where it is made (request_span).
-struct IndexBits {
-  uint32_t lo, hi;
-};
-__device__ __forceinline__ IndexBits load_index_bits(const void* p, bool is64, int64_t i) {
-  IndexBits b;
-  if (is64) {
-    const uint2 x = static_cast<const uint2*>(p)[i];
-    b.lo = x.x;
-    b.hi = x.y;
-  } else {
-    b.lo = static_cast<const uint32_t*>(p)[i];
-    b.hi = 0u;
-  }
-  return b;
-}
-__device__ __forceinline__ int64_t widen_index(IndexBits b, bool is64) {
-  return is64 ? static_cast<int64_t>((uint64_t(b.hi) << 32) | b.lo) : static_cast<int64_t>(static_cast<int32_t>(b.lo));
-}
-
 // The warp's tile of one slot: load into fp32 registers, store narrowed to the state dtype. S: the
 // head's block in the slot; v0: the warp's first value row.
 template <bool VK, int K, typename ST, int BW>

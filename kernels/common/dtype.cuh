@@ -116,6 +116,40 @@ __device__ __forceinline__ void widen_run(const RunBits<E>& r, DType t, bool ali
   }
 }
 
+// --- indices: int32 or int64, a run-time choice ----------------------------------------------------
+__device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+// An index's bits (int32 in lo, or int64), loaded apart from its widening: a load under a condition
+// is then not waited for where it is made (request_span).
+struct IndexBits {
+  uint32_t lo, hi;
+};
+__device__ __forceinline__ IndexBits load_index_bits(const void* p, bool is64, int64_t i) {
+  IndexBits b;
+  if (is64) {
+    const uint2 x = static_cast<const uint2*>(p)[i];
+    b.lo = x.x;
+    b.hi = x.y;
+  } else {
+    b.lo = static_cast<const uint32_t*>(p)[i];
+    b.hi = 0u;
+  }
+  return b;
+}
+__device__ __forceinline__ int64_t widen_index(IndexBits b, bool is64) {
+  return is64 ? static_cast<int64_t>((uint64_t(b.hi) << 32) | b.lo) : static_cast<int64_t>(static_cast<int32_t>(b.lo));
+}
+// Element i with both words loaded at offsets that do not depend on the dtype's branch (an int32's
+// one word twice), so a thread's index loads go out together (the conv update's request: slot,
+// cu_seqlens and accepted count in one round trip).
+__device__ __forceinline__ int64_t load_index_unbranched(const void* p, bool is64, int64_t i) {
+  const int32_t* w = static_cast<const int32_t*>(p);
+  const int32_t lo = w[is64 ? 2 * i : i], hi = w[is64 ? 2 * i + 1 : i];
+  return is64 ? static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) | static_cast<uint32_t>(lo))
+              : static_cast<int64_t>(lo);
+}
+
 // --- 16-byte state chunks: 4 fp32 or 8 bf16 (the warp kernels' unit) ----------------------------
 template <typename ST>
 struct Chunk;

@@ -50,10 +50,10 @@ int allow_dynamic_smem(int device, size_t bytes) {
   return static_cast<int>(err);
 }
 
-// Appends the programmatic-dependent-launch attribute where the params ask for it (every kernel
-// here starts with pdl_enter); returns the attribute count.
-inline unsigned add_pdl(const GdnDecodeParams& p, cudaLaunchAttribute* attr, int n) {
-  if (p.pdl) {
+// Appends the programmatic-dependent-launch attribute where the launch asks for it (`pdl`: the
+// params' flag; every kernel here starts with pdl_enter); returns the attribute count.
+inline unsigned add_pdl(bool pdl, cudaLaunchAttribute* attr, int n) {
+  if (pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
@@ -83,7 +83,7 @@ int launch_decode(Kernel kernel, dim3 grid, dim3 block, const GdnDecodeParams& p
     attr[n].val.clusterDim.z = cluster.z;
     ++n;
   }
-  cfg.numAttrs = add_pdl(p, attr, n);
+  cfg.numAttrs = add_pdl(p.pdl, attr, n);
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
