@@ -19,7 +19,9 @@ process, on the same pages and tensors, this times:
 - the step alone: vLLM's CUDA op and cudelta, exactly as benchmarks/mtp_bench.py times them;
 - the pair: the conv and then the step in one call, each side with the same conv;
 - cudelta's own conv (cudelta.vllm_compat.causal_conv1d_update, the same call) alone, and cudelta's
-  layer pair: its conv, then its step.
+  layer pair: its conv, then its step, as two calls and as one
+  (cudelta.vllm_compat.conv_then_gdn_decode_post_conv_mtp: the same kernels, the step's state loads
+  issued before it waits for the conv).
 A cell prints the convs and steps alone, the pairs, the pairs' ratios (vLLM's pair ÷ cudelta's step
 after vLLM's conv, and ÷ cudelta's own pair) and the conv's share of vLLM's pair: what a fused conv
 could at most save is the conv's time and no more.
@@ -65,6 +67,7 @@ OWN_CONV = "cudelta-conv"
 STEPS = (report.VLLM_CUDA, report.CUDELTA)
 PAIR = {s: f"conv+{s}" for s in STEPS}  # vLLM's conv, then the step
 OWN_PAIR = f"{OWN_CONV}+{report.CUDELTA}"  # cudelta's conv, then its step: the layer on cudelta alone
+OWN_ONE_CALL = "cudelta-one-call"  # the same two kernels from one call: the step's state loads overlap the conv
 STATES = ["bfloat16"]
 # The conv's outputs against the reference with vLLM's bf16 products: one bf16 ulp (fp32 sums in
 # another order, SiLU's exp) plus 1e-4 of the largest.
@@ -88,9 +91,9 @@ def pair_ratio(median: dict, state: str, B: int, T: int) -> float | None:
     return vllm / ours if vllm and ours else None
 
 
-def own_pair_ratio(median: dict, state: str, B: int, T: int) -> float | None:
-    """vLLM's pair ÷ cudelta's (its conv, then its step)."""
-    vllm, ours = median.get((state, B, T, PAIR[report.VLLM_CUDA])), median.get((state, B, T, OWN_PAIR))
+def own_pair_ratio(median: dict, state: str, B: int, T: int, own: str = OWN_PAIR) -> float | None:
+    """vLLM's pair ÷ cudelta's (its conv, then its step: two calls, or with OWN_ONE_CALL one)."""
+    vllm, ours = median.get((state, B, T, PAIR[report.VLLM_CUDA])), median.get((state, B, T, own))
     return vllm / ours if vllm and ours else None
 
 
@@ -118,8 +121,9 @@ def cell_text(median: dict, bad: set, state: str, B: int, T: int) -> str:
 
     share = conv_share(median, state, B, T)
     return (f"{us(CONV)} / {us(OWN_CONV)} · {us(report.VLLM_CUDA)} / {us(report.CUDELTA)} · "
-            f"{us(PAIR[report.VLLM_CUDA])} / {us(PAIR[report.CUDELTA])} / {us(OWN_PAIR)} · "
-            f"{x(pair_ratio(median, state, B, T))} / {x(own_pair_ratio(median, state, B, T))} → "
+            f"{us(PAIR[report.VLLM_CUDA])} / {us(PAIR[report.CUDELTA])} / {us(OWN_PAIR)} / {us(OWN_ONE_CALL)} · "
+            f"{x(pair_ratio(median, state, B, T))} / {x(own_pair_ratio(median, state, B, T))} / "
+            f"{x(own_pair_ratio(median, state, B, T, OWN_ONE_CALL))} → "
             f"{x(ceiling(median, state, B, T))} · {'—' if share is None else f'{100 * share:.0f}%'}")
 
 
@@ -127,8 +131,9 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
            notes: list[str]) -> str:
     lines = [header, "",
              "Cell: conv µs, vLLM / cudelta · step µs, vLLM CUDA / cudelta · conv + step µs, vLLM's conv + vLLM "
-             "CUDA / vLLM's conv + cudelta / cudelta's conv + cudelta · vLLM's pair ÷ cudelta's step after vLLM's "
-             "conv / ÷ cudelta's own pair → vLLM's pair ÷ cudelta's step alone (the conv fused in at no cost: the "
+             "CUDA / vLLM's conv + cudelta / cudelta's conv + cudelta / the same in one call · vLLM's pair ÷ "
+             "cudelta's step after vLLM's conv / ÷ cudelta's own pair / ÷ in one call → vLLM's pair ÷ cudelta's "
+             "step alone (the conv fused in at no cost: the "
              "ceiling) · vLLM's conv's share of vLLM's pair. — not timed; ✗ disagrees with the reference.", ""]
     for state in states:
         lines += [f"**state {state}**", "", "| B | " + " | ".join(f"T={t}" for t in tokens) + " |",
@@ -149,11 +154,16 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
                 lines.append(f"- {state}, B <= {report.SMALL_B}: the pair at >= {report.TARGET_SPEEDUP_SMALL_B}x vLLM's "
                              f"in {len(met)} of {len(small)} cells; with the conv fused at no cost in {reach} of "
                              f"{len(tops)} (ceilings {min(tops):.2f}-{max(tops):.2f}x)")
-            own = [(B, t, r) for B in batches for t in tokens if (r := own_pair_ratio(median, state, B, t)) is not None]
-            if own:
+            for name, what in ((OWN_PAIR, "cudelta's own pair (its conv, then its step)"),
+                               (OWN_ONE_CALL, "cudelta's own pair in one call")):
+                own = [(B, t, r) for B in batches for t in tokens
+                       if (r := own_pair_ratio(median, state, B, t, name)) is not None]
+                if not own:
+                    continue
                 own_small = [r for B, _, r in own if B <= report.SMALL_B]
-                lines.append(f"- {state}: cudelta's own pair (its conv, then its step) {min(r for *_, r in own):.2f}-"
-                             f"{max(r for *_, r in own):.2f}x vLLM's pair"
+                slower = sum(r < 1 for *_, r in own)
+                lines.append(f"- {state}: {what} {min(r for *_, r in own):.2f}-{max(r for *_, r in own):.2f}x vLLM's "
+                             f"pair, slower in {slower} of {len(own)} cells"
                              + (f"; at B <= {report.SMALL_B} >= {report.TARGET_SPEEDUP_SMALL_B}x in "
                                 f"{sum(r >= report.TARGET_SPEEDUP_SMALL_B for r in own_small)} of {len(own_small)} cells"
                                 if own_small else ""))
@@ -170,6 +180,14 @@ def load_own_conv():
     except Exception as exc:  # noqa: BLE001
         return None, f"cannot import cudelta.vllm_compat.causal_conv1d_update ({mb.short(exc)})"
     return causal_conv1d_update, ""
+
+
+def load_own_one_call():
+    try:
+        from cudelta.vllm_compat import conv_then_gdn_decode_post_conv_mtp
+    except Exception as exc:  # noqa: BLE001
+        return None, f"cannot import cudelta.vllm_compat.conv_then_gdn_decode_post_conv_mtp ({mb.short(exc)})"
+    return conv_then_gdn_decode_post_conv_mtp, ""
 
 
 def load_vllm_conv():
@@ -217,6 +235,14 @@ class ConvCell:
         return lambda pages, idx: conv(self.x, self.conv_state(pages), self.weight, None, "silu",
                                        conv_state_indices=idx[:, 0], num_accepted_tokens=c.acc,
                                        query_start_loc=c.cu_seqlens, max_query_len=c.T, out=c.mixed_qkv)
+
+    def one_call(self, pair):
+        """cudelta's conv, then its step, from one call (conv_call's conv, mtp_call's step)."""
+        c = self.step
+        return lambda pages, idx: pair(self.x, self.conv_state(pages), self.weight, None, c.a, c.b, c.A_log,
+                                       c.dt_bias, idx, c.cu_seqlens, c.acc, self.recurrent(pages), c.z,
+                                       c.norm_weight, c.out, mb.SCALE, mb.NORM_EPS, "silu", activation="silu",
+                                       conv_out=c.mixed_qkv)
 
     def reference_conv(self, pages, idx, bf16_products=True):
         """The reference conv into the step's mixed_qkv, its products rounded to bf16 as vLLM's
@@ -281,9 +307,10 @@ def check(cc: ConvCell, name: str, call, idx, base, ref_conv_bytes, ref_conv, co
                 state_max_abs=st_abs, detail="; ".join(details))
 
 
-def cell_calls(cc: ConvCell, conv, steps: dict, own_conv=None) -> dict:
+def cell_calls(cc: ConvCell, conv, steps: dict, own_conv=None, own_one_call=None) -> dict:
     """The calls a cell checks and times, each call(pages, idx): vLLM's conv, each step alone (named
-    by its implementation) and each pair; with own_conv (cudelta's), it alone and cudelta's pair."""
+    by its implementation) and each pair; with own_conv (cudelta's), it alone and cudelta's pair;
+    with own_one_call too, that pair from one call."""
     c = cc.step
     conv_call = cc.conv_call(conv)
     calls = {CONV: conv_call}
@@ -296,12 +323,14 @@ def cell_calls(cc: ConvCell, conv, steps: dict, own_conv=None) -> dict:
         if report.CUDELTA in steps:
             step = c.mtp_call(steps[report.CUDELTA])
             calls[OWN_PAIR] = lambda pages, idx: (own_call(pages, idx), step(cc.recurrent(pages), idx))
+            if own_one_call is not None:
+                calls[OWN_ONE_CALL] = cc.one_call(own_one_call)
     return calls
 
 
 def conv_of(name: str) -> str:
-    """The conv a checked call runs: cudelta's for its conv and its own pair, else vLLM's."""
-    return OWN_CONV if name in (OWN_CONV, OWN_PAIR) else CONV
+    """The conv a checked call runs: cudelta's for its conv and its own pairs, else vLLM's."""
+    return OWN_CONV if name in (OWN_CONV, OWN_PAIR, OWN_ONE_CALL) else CONV
 
 
 def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
@@ -336,12 +365,12 @@ def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
     return ran | {n for n in STEPS if PAIR[n] in ran}
 
 
-def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict, own_conv=None) -> None:
+def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict, own_conv=None, own_one_call=None) -> None:
     import torch
 
     cc = ConvCell(state, B, T, seed=1000 * B + T)
     c = cc.step
-    calls = cell_calls(cc, conv, steps, own_conv)
+    calls = cell_calls(cc, conv, steps, own_conv, own_one_call)
     checked = check_cell(cc, calls, result)
     mb.empty_cache()
 
@@ -382,10 +411,11 @@ def run_worker(args) -> int:
         return 2
     conv, why = load_vllm_conv()
     own_conv, why_own = load_own_conv()
+    own_one_call, why_one_call = load_own_one_call()
     mtp, _decode, why_cudelta = mb.load_cudelta()
     vllm, why_vllm = mb.load_vllm_cuda(args.cuda_op_so, args.cuda_op_reason)
     result = {"device": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", "times": [], "skips": [],
-              "checks": [], "reasons": {CONV: why, OWN_CONV: why_own, report.CUDELTA: why_cudelta, report.VLLM_CUDA: why_vllm}}
+              "checks": [], "reasons": {CONV: why, OWN_CONV: why_own, OWN_ONE_CALL: why_one_call, report.CUDELTA: why_cudelta, report.VLLM_CUDA: why_vllm}}
     if conv is None:
         print(f"conv_share: {why}", file=sys.stderr)
         Path(args.worker).write_text(json.dumps(result))
@@ -395,7 +425,7 @@ def run_worker(args) -> int:
         for B in args.batches:
             for T in args.tokens:
                 try:
-                    run_cell(state, B, T, conv, steps, result, own_conv)
+                    run_cell(state, B, T, conv, steps, result, own_conv, own_one_call)
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()
                     result["skips"].append(dict(state=state, B=B, T=T, impl=CONV, reason=f"cell failed: {mb.short(exc)}"))

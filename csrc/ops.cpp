@@ -236,7 +236,7 @@ struct DecodeArgs {
   double scale, norm_eps;
   bool per_channel, use_qk_l2norm;
   int64_t layout, min_slot, tokens, gate_activation, variant;
-  bool pdl;
+  bool pdl, early_state;
 };
 
 // An index tensor: int32 or int64, contiguous, of the given shape.
@@ -449,6 +449,7 @@ void decode(const DecodeArgs& x) {
   p.device = device;
   p.sm_count = info.sm_count;
   p.pdl = x.pdl && info.cuda_arch >= 900;
+  p.early_state = p.pdl && x.early_state;
   p.clusters = info.cuda_arch >= 900;
   p.tokens = x.tokens;
   p.L = L;
@@ -485,10 +486,11 @@ void decode_op(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optio
                std::optional<Tensor> dt_bias, Tensor state, Tensor idx, Tensor out, std::optional<Tensor> cu_seqlens,
                std::optional<Tensor> num_accepted_tokens, std::optional<Tensor> output_gate,
                std::optional<Tensor> norm_weight, double scale, double norm_eps, bool per_channel, bool use_qk_l2norm,
-               int64_t layout, int64_t min_slot, int64_t tokens, int64_t gate_activation, int64_t variant, bool pdl) {
+               int64_t layout, int64_t min_slot, int64_t tokens, int64_t gate_activation, int64_t variant, bool pdl,
+               bool early_state) {
   decode(DecodeArgs{q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, cu_seqlens, num_accepted_tokens,
                     output_gate, norm_weight, scale, norm_eps, per_channel, use_qk_l2norm, layout, min_slot, tokens,
-                    gate_activation, variant, pdl});
+                    gate_activation, variant, pdl, early_state});
 }
 
 // cudelta::conv_update: the causal-conv1d update before the step (ConvUpdateParams, launch.h).
@@ -643,13 +645,15 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
   // Rows of q etc.: requests, or tokens (`tokens` a request, or cu_seqlens [N+1]); idx [N] or
   // [N, C] (a checkpoint per token). gate_activation 0 (no epilogue), 1 silu, 2 sigmoid;
   // variant -1 = auto; pdl: programmatic dependent launch where the image is sm_90+ (CUDELTA_PDL,
-  // read once in Python). The output goes to `out` (engines preallocate it; the Python API does too).
+  // read once in Python); early_state: the kernel before it in the stream is cudelta's conv update
+  // of the same layer step (GdnDecodeParams::early_state). The output goes to `out` (engines
+  // preallocate it; the Python API does too).
   m.def(
       "decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
       "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, Tensor? cu_seqlens, "
       "Tensor? num_accepted_tokens, Tensor? output_gate, Tensor? norm_weight, float scale, float norm_eps, "
       "bool per_channel, bool use_qk_l2norm, int layout, int min_slot, int tokens, int gate_activation, "
-      "int variant, bool pdl) -> ()");
+      "int variant, bool pdl, bool early_state=False) -> ()");
   // The causal-conv1d update before the step: x [tokens, dim], conv_state [slots, dim, state_len]
   // updated in place, out [tokens, dim] (may be x); one token a row, or cu_seqlens with
   // num_accepted_tokens (speculative decoding); silu or no activation.

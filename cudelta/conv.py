@@ -39,6 +39,14 @@ def causal_conv1d_update(
     values; conv_state [slots, dim, state_len] (any strides) updated in place. The arguments are
     cudelta.conv_reference.causal_conv1d_update_reference's, and so are the rules."""
     check_conv_call(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens, out)
+    return run_checked(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens,
+                       null_block_id, out)
+
+
+def run_checked(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens,
+                null_block_id, out) -> torch.Tensor:
+    """causal_conv1d_update on arguments check_conv_call has passed: for callers that check a whole
+    layer step before they launch any of it (cudelta.vllm_compat's pair)."""
     args = (x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens,
             null_block_id)
     st = _native.kernels_for(x)

@@ -36,10 +36,13 @@ def _rows(x: Optional[torch.Tensor], lead: int) -> Optional[torch.Tensor]:
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) if lead == 2 else x
 
 
-def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Optional[bool] = None) -> None:
+def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Optional[bool] = None,
+               early_state: bool = False) -> None:
     """The CUDA op on one call, writing `out` (v's shape and dtype) and the pool in place: the one place
     where a call's value becomes the op's arguments. `variant` -1 is auto; `pdl` None takes
-    CUDELTA_PDL as read at load. Dense [N, T, ...] tokens travel as rows of tokens with T given."""
+    CUDELTA_PDL as read at load. Dense [N, T, ...] tokens travel as rows of tokens with T given.
+    early_state: only right after cudelta's conv update of the same step (kernels/launch.h,
+    GdnDecodeParams::early_state), when the state's loads may start before the conv ends."""
     lead = 2 if call.q.dim() == 4 else 1
     T = call.q.shape[1] if lead == 2 else 1
     rows = out.view(-1, *out.shape[lead:]) if lead == 2 else out
@@ -51,7 +54,7 @@ def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Opti
         call.resolved_scale, DEFAULT_NORM_EPS if call.norm_eps is None else float(call.norm_eps), call.per_channel,
         call.use_qk_l2norm, LAYOUTS.index(call.layout), min_valid_slot(call.invalid_slot), T,
         _ACTIVATIONS[call.gate_activation] if epilogue else 0, variant,
-        _native.status().pdl if pdl is None else pdl)
+        _native.status().pdl if pdl is None else pdl, early_state)
 
 
 def _check(call: DecodeCall, overlap: bool = True) -> None:
@@ -59,7 +62,7 @@ def _check(call: DecodeCall, overlap: bool = True) -> None:
     check_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b, call.A_log, call.dt_bias)
 
 
-def _decode(call: DecodeCall) -> torch.Tensor:
+def _decode(call: DecodeCall, early_state: bool = False) -> torch.Tensor:
     q = call.q
     st = _native.kernels_for(q)
     if st is None:
@@ -81,16 +84,16 @@ def _decode(call: DecodeCall) -> torch.Tensor:
         if not compiling:
             check_call_overlap(call)
         scratch = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        run_kernel(call, scratch, st.variant)
+        run_kernel(call, scratch, st.variant, early_state=early_state)
         return out.copy_(scratch)
     if compiling:  # the op names a pool it cannot address aligned, in check_kernel_pool's words
-        run_kernel(call, out, st.variant)
+        run_kernel(call, out, st.variant, early_state=early_state)
         return out
     # Eager: the op checks every argument before it launches anything (nothing is written when it
     # refuses), so the Python checks, 4 us a call, run only to name a refused argument the way the
     # reference path does, or a pool whose slots the kernels cannot address aligned.
     try:
-        run_kernel(call, out, st.variant)
+        run_kernel(call, out, st.variant, early_state=early_state)
     except RuntimeError:
         _check(call)
         check_kernel_pool(call.state)

@@ -34,7 +34,9 @@ from typing import Optional
 import torch
 
 from . import conv
-from .ops import gdn_decode
+from ._call import DecodeCall
+from .conv_reference import check_conv_call
+from .ops import _decode, gdn_decode
 
 MTP_HEAD_DIM = 128  # the CUDA op's K = V
 MTP_MAX_TOKENS = 8  # state_indices [N, S] with 1 <= S <= 8
@@ -230,13 +232,86 @@ def fused_gdn_decode_post_conv_mtp(
         out = torch.empty_like(output_gate)
     H = _mtp_checks(mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
                     output_gate, norm_weight, out, output_gate_activation)
+    return _mtp_step(H, mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
+                     output_gate, norm_weight, out, scale, norm_eps, output_gate_activation, early_state=False)
+
+
+def _mtp_step(H, mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state, output_gate,
+              norm_weight, out, scale, norm_eps, output_gate_activation, early_state: bool) -> torch.Tensor:
+    """The MTP step on arguments _mtp_checks has passed."""
     HV, D = state.shape[1], MTP_HEAD_DIM
     q, k, v = _split_qkv(mixed_qkv, H, HV, D, D)
-    gdn_decode(q, k, v, None, None, state, state_indices, a=a, b=b, A_log=A_log.view(HV), dt_bias=dt_bias.view(HV),
-               scale=scale, use_qk_l2norm=True, layout="vk", invalid_slot="nonpositive", out=out,
-               cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
-               norm_weight=norm_weight.view(D), norm_eps=norm_eps, gate_activation=output_gate_activation)
+    call = DecodeCall("gdn", q, k, v, None, None, state, state_indices, a=a, b=b, A_log=A_log.view(HV),
+                      dt_bias=dt_bias.view(HV), scale=scale, use_qk_l2norm=True, layout="vk",
+                      invalid_slot="nonpositive", out=out, cu_seqlens=cu_seqlens,
+                      num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
+                      norm_weight=norm_weight.view(D), norm_eps=norm_eps, gate_activation=output_gate_activation)
+    _decode(call, early_state=early_state)
     return out
+
+
+def conv_then_gdn_decode_post_conv_mtp(
+    mixed_qkv: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: Optional[torch.Tensor],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    state: torch.Tensor,
+    output_gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    scale: float = 128**-0.5,
+    norm_eps: float = 1e-5,
+    output_gate_activation: str = "silu",
+    activation: "bool | str | None" = "silu",
+    conv_state_indices: Optional[torch.Tensor] = None,
+    null_block_id: int = 0,
+    conv_out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """vLLM's GDN layer step with speculative decoding, its two kernels in one call: the same results
+    as
+
+        causal_conv1d_update(mixed_qkv, conv_state, conv_weight, conv_bias, activation,
+                             conv_state_indices=state_indices[:, 0], num_accepted_tokens=num_accepted_tokens,
+                             query_start_loc=cu_seqlens)   # in place on mixed_qkv
+        fused_gdn_decode_post_conv_mtp(mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens,
+                                       num_accepted_tokens, state, output_gate, norm_weight, out, ...)
+
+    with both calls' arguments checked (their rules, above) before either kernel runs. Launched back
+    to back from here, the step's kernel starts on sm_90+ while the conv still runs and issues its
+    state loads before it waits for the conv's outputs (kernels/launch.h, early_state): the two
+    calls made apart cannot, since the step cannot know what ran before it. conv_state_indices:
+    the conv state's slots (state_indices[:, 0], vLLM's, when None); conv_out: where the conv's
+    outputs go and the step reads them (mixed_qkv itself when None). Returns out."""
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    _require(activation in (None, "silu", "swish"),
+             f"activation must be True, False, None, 'silu' or 'swish'; got {activation!r}")
+    _require(null_block_id is not None, "null_block_id must be an int (vLLM's null block, 0)")
+    _require(state_indices.dim() == 2,
+             f"state_indices must have shape [N, S] with 1 <= S <= {MTP_MAX_TOKENS}; got {tuple(state_indices.shape)}")
+    if conv_state_indices is None:
+        conv_state_indices = state_indices[:, 0]
+    if conv_out is None:
+        conv_out = mixed_qkv
+    if out is None:
+        out = torch.empty_like(output_gate)
+    _same_device(mixed_qkv=mixed_qkv, conv_state=conv_state, conv_weight=conv_weight,
+                 conv_state_indices=conv_state_indices, conv_out=conv_out)
+    check_conv_call(mixed_qkv, conv_state, conv_weight, conv_bias, activation, conv_state_indices, cu_seqlens,
+                    num_accepted_tokens, conv_out)
+    H = _mtp_checks(conv_out, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
+                    output_gate, norm_weight, out, output_gate_activation)
+    conv.run_checked(mixed_qkv, conv_state, conv_weight, conv_bias, activation, conv_state_indices, cu_seqlens,
+                     num_accepted_tokens, int(null_block_id), conv_out)
+    return _mtp_step(H, conv_out, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
+                     output_gate, norm_weight, out, scale, norm_eps, output_gate_activation, early_state=True)
 
 
 def causal_conv1d_update(

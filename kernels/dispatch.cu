@@ -55,6 +55,7 @@ int launch_gdn_decode(const GdnDecodeParams& p, Variant v, void* stream) {
     // pointers advanced past the previous ones.
     for (int64_t n0 = 0; n0 < p.N; n0 += kMaxRequestsPerLaunch) {
       GdnDecodeParams c = p;
+      c.early_state = p.early_state && n0 == 0;  // a later chunk follows the step, not the conv
       c.N = p.N - n0 < kMaxRequestsPerLaunch ? p.N - n0 : kMaxRequestsPerLaunch;
       c.q = advance(p.q, n0 * p.q_stride_n, p.dtype);
       c.k = advance(p.k, n0 * p.k_stride_n, p.dtype);

@@ -68,6 +68,12 @@ struct GdnDecodeParams {
   // Launch with programmatic dependent launch (sm_90+ images): the kernel's blocks start while the
   // previous kernel of the stream finishes, and wait in the kernel for its writes (griddepcontrol).
   bool pdl;
+  // The kernel before this launch in the stream is cudelta's conv update of the same call
+  // (cudelta.vllm_compat.conv_then_gdn_decode_post_conv_mtp): it waited for every kernel before it
+  // before it let this one start, and it writes none of the slots, indices or gates this step reads
+  // first, only q, k and v. The kernels that take it (pdl_wait_early / pdl_wait_late) load the
+  // state's rows before griddepcontrol.wait, so that their DRAM round trip overlaps the conv.
+  bool early_state;
   // The image is sm_90+: a launch may group its blocks in thread block clusters (mtp_stream.cuh).
   bool clusters;
 

@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
   __shared__ float s_o[TT][kMaxOneRows], s_z[TT > 2 ? TT : 1][TT > 2 ? kMaxOneRows : 1];
   __shared__ float s_sumsq[TT][16];
   __shared__ float s_cl[TT][CL];
-  pdl_enter();
+  pdl_wait_early(p);
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int l = lane % LPR, r = lane / LPR;
   const int64_t n = block_request(p), hv = block_head(p);
@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 #pragma unroll
     for (int i = 0; i < CPL; ++i) s[j][i] = state_load<true>(S + (r + RPP * j) * KC + i * LPR + l);
   }
+  pdl_wait_late(p);
   const int my_j = l / F, my_row = r + RPP * my_j;
   const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < rows;
   const unsigned col = static_cast<unsigned>(base) + threadIdx.x;  // this thread's output row of V

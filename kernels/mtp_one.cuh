@@ -62,7 +62,7 @@ __global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_m
   static_assert(BW * TPW >= kMaxOneRows / 16, "at most 16 warps a head");
   __shared__ float s_o[kMaxOneRows];
   __shared__ float s_sumsq[16];
-  pdl_enter();
+  pdl_wait_early(p);  // and pdl_wait_late in warp_step
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t n = block_request(p), hv = block_head(p);
   const int V = static_cast<int>(p.V);
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW,
   constexpr int ROWS = BW * TPW;
   __shared__ float s_o[CLUSTER_EPI ? kMaxOneRows : 1];
   __shared__ float s_ss[CLUSTER_EPI ? kMaxOneRows / ROWS : 1];
-  pdl_enter();
+  pdl_wait_early(p);  // and pdl_wait_late in warp_step
   const int64_t n = blockIdx.z, hv = blockIdx.y;
   // The warp's tile group: WPB warps a block, blocks along x.
   const uint32_t g = blockIdx.x * WPB + threadIdx.x / 32;

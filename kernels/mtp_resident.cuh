@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
   constexpr int F = LPR / NV;
   static_assert(NV <= LPR && (NV & (NV - 1)) == 0, "one row a lane after the butterfly");
   __shared__ float sumsq[2][16];
-  pdl_enter();
+  pdl_wait_early(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int v0 = warp * BW;
   const int group = lane - lane % LPR, mine = (lane % LPR) / F;
@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
   ST* const pool = static_cast<ST*>(p.state);
   float hs[NV][NK];
   tile_load<VK, K, ST, BW>(p, pool + start * p.state_stride_p + hv * block, v0, lane, hs);
+  pdl_wait_late(p);
   const uint32_t a_log_bits = load_a_log_bits(p, hv);
   const float w = epilogue ? load_f(p.norm_weight, p.norm_weight_dtype, my_row) : 0.f;
 

@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   __shared__ float s_ss[TS][kStreamMaxV<K> / kStreamRows];
   __shared__ int64_t s_dst[TS];
   __shared__ float s_o[TS][kStreamMaxV<K>], s_v[TS][kStreamMaxV<K>];
-  pdl_enter();
+  pdl_wait_early(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int group = lane - lane % LPR, mine = (lane % LPR) / F;
   const bool writer = lane % F == 0;
@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
     }
   };
   if constexpr (!STAGE_FIRST) ring_start(c0 + warp);
+  pdl_wait_late(p);  // STAGE_FIRST: the ring's first copies come after it
 
   for (int64_t g0 = 0; g0 < len; g0 += TS) {
     const int tg = static_cast<int>(len - g0 < TS ? len - g0 : TS);

@@ -116,6 +116,7 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
       for (int i = 0; i < CPL; ++i) s[t][j][i] = state_load<STREAM>(S + (t * BW + r + RPP * j) * KC + i * LPR + l);
     }
   }
+  pdl_wait_late(p);  // its callers: pdl_wait_early
   // The row this lane reduces last (the butterfly's result) and its v.
   const int my_j = l / F;
   const int my_row = r + RPP * my_j;
@@ -245,7 +246,7 @@ __device__ __forceinline__ void warp_tile(const GdnDecodeParams& p, uint32_t g, 
 // STREAM: the state loads and stores carry the evict-first hint (state_load).
 template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW = 1, bool PERSIST = false, bool STREAM = false>
 __global__ void __launch_bounds__(32, (warp_min_blocks<K, ST, BW, TPW>())) decode_vk_warp_kernel(const GdnDecodeParams p) {
-  pdl_enter();
+  pdl_wait_early(p);
   if constexpr (PERSIST) {
     // 32-bit: the item count is below 2^31, and a 64-bit division costs ~100 instructions on the
     // path to the slot's load.

@@ -50,8 +50,9 @@ VARLEN = (3, 0, 8, 1, 5, 2)
 PAD_TOKENS = 2
 # "varlen2" and "varlen4" the same with at most two or four tokens a request (vLLM's call with one
 # or three draft tokens, some requests short or empty): the few-token kernel's forms, not in
-# TOKEN_FORMS (the matrix's pairs stay as they are).
-VARLEN_COUNTS = {"varlen": VARLEN, "varlen2": (2, 0, 1, 2, 2, 1), "varlen4": (4, 0, 3, 1, 4, 2)}
+# TOKEN_FORMS (the matrix's pairs stay as they are); "varlen1" vLLM's call without draft tokens.
+VARLEN_COUNTS = {"varlen": VARLEN, "varlen1": (1, 0, 1, 1, 1, 1), "varlen2": (2, 0, 1, 2, 2, 1),
+                 "varlen4": (4, 0, 3, 1, 4, 2)}
 
 
 def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -> bool:

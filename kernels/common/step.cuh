@@ -13,9 +13,21 @@
 
 #include "../launch.h"
 #include "dtype.cuh"
+#include "ptx.cuh"
 
 namespace cudelta {
 namespace {
+
+// pdl_enter where the step's first loads may not come before it: at the kernel's start, or, with
+// GdnDecodeParams::early_state, after the state's loads are issued (the indices, the slots' rows and
+// the outputs zeroed for skipped rows are nothing the conv before it reads or writes; its q, k and
+// v are, and every load of them comes after pdl_wait_late). A kernel calls both, in that order.
+__device__ __forceinline__ void pdl_wait_early(const GdnDecodeParams& p) {
+  if (!p.early_state) pdl_enter();
+}
+__device__ __forceinline__ void pdl_wait_late(const GdnDecodeParams& p) {
+  if (p.early_state) pdl_enter();
+}
 
 // softplus with PyTorch's threshold: linear above 20.
 // The fast intrinsics (as vLLM's Triton kernel): about 60 instructions fewer per tile than the

@@ -259,3 +259,69 @@ def test_mtp_on_cuda_tensors_is_taken_not_refused():
     vllm_compat.fused_gdn_decode_post_conv_mtp(**args)
     assert args["state"].stride(0) > args["state"][0].numel()  # vLLM's padded pool, which the kernels take
     assert all(torch.equal(args[n], cpu[n]) for n, x in args.items() if isinstance(x, torch.Tensor))
+
+
+def pair_args(seed=37):
+    """conv_then_gdn_decode_post_conv_mtp's arguments: good_mtp's step on pre-conv rows, a conv state
+    of vLLM's spec-decode length [slots, dim, 3 + 3] (its pages transposed), and the conv's slots
+    (request 4 accepted nothing: the conv skips its null slot, the step its missing start)."""
+    args = good_mtp()
+    gen = torch.Generator().manual_seed(seed)
+    dim = args["mixed_qkv"].shape[1]
+    args.update(conv_state=torch.randn(14, 6, dim, generator=gen).to(torch.bfloat16).transpose(1, 2),
+                conv_weight=(torch.randn(dim, 4, generator=gen) / 4).to(torch.bfloat16),
+                conv_bias=(torch.randn(dim, generator=gen) * 0.1).to(torch.bfloat16),
+                conv_state_indices=torch.tensor([1, 4, 5, 8, 0], dtype=torch.int32))
+    return args
+
+
+def test_the_pair_is_the_conv_then_the_step():
+    pair = pair_args()
+    apart = {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in pair.items()}
+    conv = {n: apart.pop(n) for n in ("conv_state", "conv_weight", "conv_bias", "conv_state_indices")}
+    vllm_compat.causal_conv1d_update(apart["mixed_qkv"], conv["conv_state"], conv["conv_weight"], conv["conv_bias"],
+                                     "silu", conv_state_indices=conv["conv_state_indices"],
+                                     num_accepted_tokens=apart["num_accepted_tokens"],
+                                     query_start_loc=apart["cu_seqlens"])
+    expected = vllm_compat.fused_gdn_decode_post_conv_mtp(**apart)
+    before = pair["mixed_qkv"].clone()
+    out = vllm_compat.conv_then_gdn_decode_post_conv_mtp(**pair)
+    assert out is pair["out"] and torch.equal(out, expected)
+    assert torch.equal(pair["mixed_qkv"], apart["mixed_qkv"]) and not torch.equal(pair["mixed_qkv"], before)
+    assert torch.equal(pair["conv_state"], conv["conv_state"]) and torch.equal(pair["state"], apart["state"])
+
+
+def test_the_pair_writes_the_conv_into_conv_out_and_leaves_mixed_qkv():
+    pair = pair_args()
+    in_place = {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in pair.items()}
+    x = pair["mixed_qkv"].clone()
+    conv_out = torch.full_like(x, float("nan"))
+    conv_out[-2:] = x[-2:]  # rows after cu_seqlens[N]: no request's, the conv leaves them
+    out = vllm_compat.conv_then_gdn_decode_post_conv_mtp(**pair, conv_out=conv_out)
+    expected = vllm_compat.conv_then_gdn_decode_post_conv_mtp(**in_place)
+    assert torch.equal(pair["mixed_qkv"], x) and torch.equal(conv_out, in_place["mixed_qkv"])
+    assert torch.equal(out, expected)
+
+
+PAIR_CASES = [
+    # the step's rules refuse before the conv has written anything
+    ("out", "out.float()", r"out must be a bfloat16 tensor; got torch.float32"),
+    ("state_indices", "state_indices[:, :0]", r"state_indices must have shape \[N, S\] with 1 <= S <= 8"),
+    ("num_accepted_tokens", "num_accepted_tokens[:4]", r"num_accepted_tokens"),
+    # and the conv's before the step
+    ("conv_weight", "conv_weight[:, :1]", r"weight must be \[dim=1024, width >= 2\]; got shape \(1024, 1\)"),
+    ("conv_state", "conv_state[:, :, :2]", r"conv_state must be \[slots, dim=1024, state_len >= width - 1 = 3\]"),
+    ("activation", "'relu'", r"activation must be True, False, None, 'silu' or 'swish'; got 'relu'"),
+    ("conv_state_indices", "conv_state_indices[:3]", r"cu_seqlens must be \[N \+ 1 = 4\]; got shape \(6,\)"),
+]
+
+
+@pytest.mark.parametrize("name,expr,message", PAIR_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(PAIR_CASES)])
+def test_the_pair_refuses_a_bad_argument_before_writing_anything(name, expr, message):
+    args = pair_args()
+    args[name] = eval(expr, dict(args, torch=torch))  # noqa: S307
+    kept = {n: args[n].clone() for n in ("mixed_qkv", "conv_state", "state")}
+    with pytest.raises(ValueError, match=message):
+        vllm_compat.conv_then_gdn_decode_post_conv_mtp(**args)
+    for n, x in kept.items():
+        assert torch.equal(args[n], x), f"{n} was written before the refusal"
