@@ -174,20 +174,14 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
 # ---------------------------------------------------------------- a worker: one process on the GPU
 
 
-def load_own_conv():
+def load_own(name: str):
+    """(cudelta.vllm_compat.<name>, "") or (None, why not)."""
     try:
-        from cudelta.vllm_compat import causal_conv1d_update
-    except Exception as exc:  # noqa: BLE001
-        return None, f"cannot import cudelta.vllm_compat.causal_conv1d_update ({mb.short(exc)})"
-    return causal_conv1d_update, ""
+        from cudelta import vllm_compat
 
-
-def load_own_one_call():
-    try:
-        from cudelta.vllm_compat import conv_then_gdn_decode_post_conv_mtp
+        return getattr(vllm_compat, name), ""
     except Exception as exc:  # noqa: BLE001
-        return None, f"cannot import cudelta.vllm_compat.conv_then_gdn_decode_post_conv_mtp ({mb.short(exc)})"
-    return conv_then_gdn_decode_post_conv_mtp, ""
+        return None, f"cannot import cudelta.vllm_compat.{name} ({mb.short(exc)})"
 
 
 def load_vllm_conv():
@@ -410,8 +404,8 @@ def run_worker(args) -> int:
         print("conv_share: needs an NVIDIA GPU", file=sys.stderr)
         return 2
     conv, why = load_vllm_conv()
-    own_conv, why_own = load_own_conv()
-    own_one_call, why_one_call = load_own_one_call()
+    own_conv, why_own = load_own("causal_conv1d_update")
+    own_one_call, why_one_call = load_own("conv_then_gdn_decode_post_conv_mtp")
     mtp, _decode, why_cudelta = mb.load_cudelta()
     vllm, why_vllm = mb.load_vllm_cuda(args.cuda_op_so, args.cuda_op_reason)
     result = {"device": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", "times": [], "skips": [],

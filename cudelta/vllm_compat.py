@@ -289,29 +289,34 @@ def conv_then_gdn_decode_post_conv_mtp(
     calls made apart cannot, since the step cannot know what ran before it. conv_state_indices:
     the conv state's slots (state_indices[:, 0], vLLM's, when None); conv_out: where the conv's
     outputs go and the step reads them (mixed_qkv itself when None). Returns out."""
-    if isinstance(activation, bool):
-        activation = "silu" if activation else None
-    _require(activation in (None, "silu", "swish"),
-             f"activation must be True, False, None, 'silu' or 'swish'; got {activation!r}")
+    activation = _conv_activation(activation)
     _require(null_block_id is not None, "null_block_id must be an int (vLLM's null block, 0)")
-    _require(state_indices.dim() == 2,
-             f"state_indices must have shape [N, S] with 1 <= S <= {MTP_MAX_TOKENS}; got {tuple(state_indices.shape)}")
-    if conv_state_indices is None:
-        conv_state_indices = state_indices[:, 0]
     if conv_out is None:
         conv_out = mixed_qkv
     if out is None:
         out = torch.empty_like(output_gate)
+    # The step's rules first: they hold state_indices to [N, S], whose first column is the conv's default.
+    H = _mtp_checks(conv_out, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
+                    output_gate, norm_weight, out, output_gate_activation)
+    if conv_state_indices is None:
+        conv_state_indices = state_indices[:, 0]
     _same_device(mixed_qkv=mixed_qkv, conv_state=conv_state, conv_weight=conv_weight,
                  conv_state_indices=conv_state_indices, conv_out=conv_out)
     check_conv_call(mixed_qkv, conv_state, conv_weight, conv_bias, activation, conv_state_indices, cu_seqlens,
                     num_accepted_tokens, conv_out)
-    H = _mtp_checks(conv_out, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
-                    output_gate, norm_weight, out, output_gate_activation)
     conv.run_checked(mixed_qkv, conv_state, conv_weight, conv_bias, activation, conv_state_indices, cu_seqlens,
                      num_accepted_tokens, int(null_block_id), conv_out)
     return _mtp_step(H, conv_out, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
                      output_gate, norm_weight, out, scale, norm_eps, output_gate_activation, early_state=True)
+
+
+def _conv_activation(activation: "bool | str | None") -> Optional[str]:
+    """vLLM's conv `activation` (True, False, None, "silu" or "swish") as cudelta.conv takes it."""
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    _require(activation in (None, "silu", "swish"),
+             f"activation must be True, False, None, 'silu' or 'swish'; got {activation!r}")
+    return activation
 
 
 def causal_conv1d_update(
@@ -334,10 +339,7 @@ def causal_conv1d_update(
     transposed view of its [state_len, dim] pages) updated in place; weight [dim, width]. Returns
     `out`, x itself when out is None. max_query_len and validate_data are vLLM's and change nothing
     here: the arguments are always checked."""
-    if isinstance(activation, bool):
-        activation = "silu" if activation else None
-    _require(activation in (None, "silu", "swish"),
-             f"activation must be True, False, None, 'silu' or 'swish'; got {activation!r}")
+    activation = _conv_activation(activation)
     _require(x.dim() == 2, f"x must be [batch, dim] or, with query_start_loc, [num_tokens, dim]; got shape "
                            f"{tuple(x.shape)} (the [batch, dim, seqlen] form is not taken)")
     _require((query_start_loc is None) == (num_accepted_tokens is None),
