@@ -82,22 +82,33 @@ template <typename T>
 struct ConvAccess {
   static constexpr int C = 4;
   using Raw = typename Four<T>::Raw;
-  // The thread's W taps of its 4 channels (weight [dim, W] contiguous, of T): 8-byte vectors.
+  // The thread's W taps of its 4 channels (weight [dim, W] contiguous, of T) as 8-byte vectors, and
+  // its bias, as loaded: widen_weights waits for them.
   template <int W>
-  static __device__ __forceinline__ void load_weights(const ConvUpdateParams& p, int64_t c, float (&w)[C][W], float (&b)[C]) {
-    constexpr int kUnits = W * C * static_cast<int>(sizeof(T)) / 8;
+  struct Weights {
+    static constexpr int kUnits = W * C * static_cast<int>(sizeof(T)) / 8;
     uint2 r[kUnits];
+    Raw rb;
+  };
+  template <int W>
+  static __device__ __forceinline__ Weights<W> load_weights(const ConvUpdateParams& p, int64_t c) {
+    Weights<W> raw;
     const uint2* src = reinterpret_cast<const uint2*>(static_cast<const T*>(p.weight) + c * W);
 #pragma unroll
-    for (int i = 0; i < kUnits; ++i) r[i] = src[i];
-    Raw rb{};
-    if (p.bias) rb = Four<T>::load(p.bias, c);
-    const T* e = reinterpret_cast<const T*>(r);
+    for (int i = 0; i < Weights<W>::kUnits; ++i) raw.r[i] = src[i];
+    raw.rb = Raw{};
+    if (p.bias) raw.rb = Four<T>::load(p.bias, c);
+    return raw;
+  }
+  template <int W>
+  static __device__ __forceinline__ void widen_weights(const ConvUpdateParams& p, const Weights<W>& raw,
+                                                       float (&w)[C][W], float (&b)[C]) {
+    const T* e = reinterpret_cast<const T*>(raw.r);
 #pragma unroll
     for (int m = 0; m < C; ++m)
 #pragma unroll
       for (int j = 0; j < W; ++j) w[m][j] = Four<T>::to_float(e[m * W + j]);
-    if (p.bias) Four<T>::widen(rb, b);
+    if (p.bias) Four<T>::widen(raw.rb, b);
   }
   static __device__ __forceinline__ Raw load_x(const ConvUpdateParams& p, int64_t row, int64_t c) {
     return Four<T>::load(p.x, row * p.x_stride_row + c);
@@ -121,13 +132,24 @@ struct ConvAccess<void> {
   static constexpr int C = 1;
   using Raw = uint32_t;
   template <int W>
-  static __device__ __forceinline__ void load_weights(const ConvUpdateParams& p, int64_t c, float (&w)[C][W], float (&b)[C]) {
-    uint32_t bits[W], bb = 0;
+  struct Weights {
+    uint32_t bits[W];
+    uint32_t bb;
+  };
+  template <int W>
+  static __device__ __forceinline__ Weights<W> load_weights(const ConvUpdateParams& p, int64_t c) {
+    Weights<W> raw;
 #pragma unroll
-    for (int j = 0; j < W; ++j) bits[j] = load_bits(p.weight, p.weight_dtype, c * p.w_stride_dim + j * p.w_stride_tap);
-    if (p.bias) bb = load_bits(p.bias, p.bias_dtype, c);
-    widen_all<W>(bits, p.weight_dtype, w[0]);
-    if (p.bias) b[0] = widen_bits(bb, p.bias_dtype);
+    for (int j = 0; j < W; ++j) raw.bits[j] = load_bits(p.weight, p.weight_dtype, c * p.w_stride_dim + j * p.w_stride_tap);
+    raw.bb = 0;
+    if (p.bias) raw.bb = load_bits(p.bias, p.bias_dtype, c);
+    return raw;
+  }
+  template <int W>
+  static __device__ __forceinline__ void widen_weights(const ConvUpdateParams& p, const Weights<W>& raw,
+                                                       float (&w)[C][W], float (&b)[C]) {
+    widen_all<W>(raw.bits, p.weight_dtype, w[0]);
+    if (p.bias) b[0] = widen_bits(raw.bb, p.bias_dtype);
   }
   static __device__ __forceinline__ Raw load_x(const ConvUpdateParams& p, int64_t row, int64_t c) {
     return load_bits(p.x, p.x_dtype, row * p.x_stride_row + c);
@@ -147,6 +169,21 @@ struct ConvAccess<void> {
   }
 };
 
+// Request n's slot, rows [bos, eos) of x and the window's first column off: their loads go out
+// together (load_index_unbranched).
+struct Request {
+  int64_t slot, bos, eos, off;
+};
+__device__ __forceinline__ Request load_request(const ConvUpdateParams& p, int64_t n) {
+  Request r{load_index_unbranched(p.indices, p.indices_int64, n * p.indices_stride), n, n + 1, 0};
+  if (p.cu_seqlens) {
+    r.bos = load_index_unbranched(p.cu_seqlens, p.cu_int64, n);
+    r.eos = load_index_unbranched(p.cu_seqlens, p.cu_int64, n + 1);
+    r.off = load_index_unbranched(p.accepted, p.accepted_int64, n) - 1;
+  }
+  return r;
+}
+
 // A thread a (request, C consecutive channels): the channels' windows (W - 1 columns of the slot,
 // from column num_accepted - 1), weights and tokens in registers, then the request's tokens in
 // order. Every read of the slot comes before its first write, and no other thread touches the
@@ -161,18 +198,19 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
   pdl_enter();
   const int64_t c = (int64_t(blockIdx.x) * kConvThreads + threadIdx.x) * C;
   if (c >= p.dim) return;
+  // The first request's slot and span are loaded before the weights are widened, which waits for
+  // them: otherwise the weights, then the indices, then the window are three trips to memory in a
+  // row where the indices and the weights can share the first (sm_90a SASS: the index loads had
+  // followed the wait; the latency that counts at small batch, where every thread waits on it).
+  const auto raw = A::template load_weights<W>(p, c);
+  Request r = load_request(p, blockIdx.y);
   float w[C][W], b[C] = {};
-  A::template load_weights<W>(p, c, w, b);
+  A::template widen_weights<W>(p, raw, w, b);
   char* const cs = static_cast<char*>(p.conv_state);
   const int64_t es = p.state_dtype == DType::kFloat32 ? 4 : 2;
   for (int64_t n = blockIdx.y; n < p.N; n += gridDim.y) {
-    const int64_t slot = load_index_unbranched(p.indices, p.indices_int64, n * p.indices_stride);
-    int64_t bos = n, eos = n + 1, off = 0;
-    if (p.cu_seqlens) {
-      bos = load_index_unbranched(p.cu_seqlens, p.cu_int64, n);
-      eos = load_index_unbranched(p.cu_seqlens, p.cu_int64, n + 1);
-      off = load_index_unbranched(p.accepted, p.accepted_int64, n) - 1;
-    }
+    if (n != blockIdx.y) r = load_request(p, n);
+    const int64_t slot = r.slot, bos = r.bos, eos = r.eos, off = r.off;
     const int64_t tokens = eos - bos;
     if (slot == p.null_block_id || slot < 0 || slot >= p.slots || tokens <= 0 || bos < 0 || eos > p.L || off < 0 ||
         off + W - 1 > p.state_len || W - 2 + tokens > p.state_len)

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "common/host.cuh"
 #include "launch.h"
 #include "units.h"
 
@@ -19,6 +20,12 @@ namespace {
 
 // The warp kernels put requests on the grid's z dimension.
 constexpr int64_t kMaxRequestsPerLaunch = kMaxGridYZ;
+
+// Past this many (request, value head) pairs an SM, the step's state loads issued under the conv
+// (GdnDecodeParams::early_state) overlap it only in the first of many waves, and they cost: 4.5%
+// slower at B = 512, T = 2, bf16 state, 16/32 heads on an H200 (the streaming kernel; level at
+// T = 1 and 4; benchmarks/results-h200-conv.md), against 0.5-1.1 us gained at B = 32 (8 an SM).
+constexpr int64_t kEarlyStateMaxPairsPerSm = 64;
 
 const void* advance(const void* p, int64_t elements, DType t) {
   return static_cast<const char*>(p) + elements * (t == DType::kFloat32 ? 4 : 2);
@@ -44,8 +51,10 @@ int launch_warp(const GdnDecodeParams& p, void* stream) {
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
-int launch_gdn_decode(const GdnDecodeParams& p, Variant v, void* stream) {
-  if (p.N == 0) return 0;
+int launch_gdn_decode(const GdnDecodeParams& call, Variant v, void* stream) {
+  if (call.N == 0) return 0;
+  GdnDecodeParams p = call;
+  p.early_state = call.early_state && call.N * call.HV <= kEarlyStateMaxPairsPerSm * rule_sms(call);
   const int id = static_cast<int>(v);
   if (id < 0 || id >= kNumVariants) return static_cast<int>(cudaErrorInvalidValue);
   // The multi-token kernels put requests on the grid's x dimension (2^31 - 1 blocks; launch_vk_one

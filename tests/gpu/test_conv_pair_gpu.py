@@ -12,7 +12,7 @@ forms: requests without tokens, rejected drafts, rows without a starting slot, i
 columns), both state dtypes, in small grids and engine-sized ones, so that each multi-token kernel
 the launch rule picks for vLLM's call runs at least once (one-token, few-token, streaming); in place
 on mixed_qkv as vLLM's layer calls it, or into conv_out; repeated on the pool it leaves; and
-captured in a CUDA graph."""
+captured in a CUDA graph and traced by torch.compile(fullgraph=True)."""
 
 import sys
 from dataclasses import replace
@@ -175,3 +175,38 @@ def test_the_pair_captured_in_a_cuda_graph_replays_the_eager_result():
     out_eager = eager.pair(in_place=True)
     out_eager = eager.pair(in_place=True)
     assert_same(static, out, eager, out_eager)
+
+
+@pytest.mark.parametrize("entry", ["one-call", "apart"])
+def test_vllm_s_layer_step_traces_under_compile_fullgraph_and_equals_eager(entry):
+    # An engine compiling its layer step: the argument checks trace once and both ops stay in the
+    # graph (a check reading an address or a value would break the trace). vLLM's pages go in as one
+    # tensor of the states' dtype (bf16 here), the conv state and the state viewed from it inside:
+    # aot_autograd refuses two mutated graph inputs viewing one allocation, and inductor writes back
+    # wrong bytes through a mutated view at another dtype than its input's (README, "torch.compile").
+    case = CASES[4]
+    traced, eager = both(case)
+    state = traced.step.state
+    assert state.dtype == torch.bfloat16
+    P = state.shape[0]
+    pages = traced.step.storage.view(torch.bfloat16).view(P, -1)
+    conv_len, state_len = case.conv_bytes // 2, state[0].numel()
+    conv_shape = (P, traced.state_len, traced.dim)
+    step_args = {k: v for k, v in traced.step_args().items() if k != "state"}
+
+    def layer_step(pages, mixed, weight, bias, conv_slots, step_args):
+        conv_state = pages[:, :conv_len].view(conv_shape).transpose(1, 2)
+        pool = pages[:, conv_len:conv_len + state_len].view(state.shape)
+        if entry == "one-call":
+            return vllm_compat.conv_then_gdn_decode_post_conv_mtp(mixed, conv_state, weight, bias,
+                                                                   conv_state_indices=conv_slots, state=pool,
+                                                                   **step_args)
+        vllm_compat.causal_conv1d_update(mixed, conv_state, weight, bias, "silu", conv_state_indices=conv_slots,
+                                         num_accepted_tokens=step_args["num_accepted_tokens"],
+                                         query_start_loc=step_args["cu_seqlens"])
+        return vllm_compat.fused_gdn_decode_post_conv_mtp(mixed, state=pool, **step_args)
+
+    out = torch.compile(layer_step, fullgraph=True)(pages, traced.mixed, traced.weight, traced.bias,
+                                                    traced.conv_slots, step_args)
+    want = eager.pair(in_place=True) if entry == "one-call" else eager.apart(in_place=True)
+    assert_same(traced, out, eager, want)
