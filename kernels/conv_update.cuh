@@ -19,8 +19,14 @@ namespace cudelta {
 namespace {
 
 constexpr int kConvThreads = 64;
-// Tokens a thread loads before it computes any: a request's tokens in batches of this many.
+// Tokens a thread loads before it computes any: a request's tokens in batches of this many (TB).
+// The batch's registers bound the occupancy: at 8, 116 registers a thread at sm_90a (8 blocks of 64
+// an SM), which capped the bytes in flight from B = 128. Where no request can have more than 2 tokens
+// (one a row, or the conv state's columns leave room for no more: vLLM sizes them to the call) the
+// build with a batch of 2 is taken, held to 64 registers (16 blocks an SM): 1.3x vLLM's conv at
+// B = 512 where it had been 0.9x (benchmarks/results-h200-conv.md).
 constexpr int kConvTokenBatch = 8;
+constexpr int kConvShortBatch = 2;
 
 // Four consecutive elements of T (float, __nv_bfloat16 or __half) as one 16- or 8-byte vector: raw
 // loads first, widened after, so a thread's loads go out together and it waits once. (A load whose
@@ -191,8 +197,8 @@ __device__ __forceinline__ Request load_request(const ConvUpdateParams& p, int64
 // cannot hold (a slot out of range, rows outside x, a window or new state past state_len) is skipped
 // like a null slot: the reference raises for it, which a kernel cannot without a host sync, and
 // nothing is half-written.
-template <int W, typename T>
-__global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpdateParams p) {
+template <int W, typename T, int TB>
+__global__ void __launch_bounds__(kConvThreads, TB <= kConvShortBatch ? 16 : 1) conv_update_kernel(const ConvUpdateParams p) {
   using A = ConvAccess<T>;
   constexpr int C = A::C;
   pdl_enter();
@@ -216,12 +222,12 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
         off + W - 1 > p.state_len || W - 2 + tokens > p.state_len)
       continue;
     void* const col0 = cs + (slot * p.cs_slot + c * p.cs_dim) * es;  // the channels' column 0
-    float win[W - 1 + kConvTokenBatch][C];  // the window, then a batch of tokens
-    for (int64_t t0 = 0; t0 < tokens; t0 += kConvTokenBatch) {
-      const int batch = static_cast<int>(tokens - t0 < kConvTokenBatch ? tokens - t0 : kConvTokenBatch);
-      typename A::Raw xr[kConvTokenBatch], sr[W - 1];
+    float win[W - 1 + TB][C];  // the window, then a batch of tokens
+    for (int64_t t0 = 0; t0 < tokens; t0 += TB) {
+      const int batch = static_cast<int>(tokens - t0 < TB ? tokens - t0 : TB);
+      typename A::Raw xr[TB], sr[W - 1];
 #pragma unroll
-      for (int t = 0; t < kConvTokenBatch; ++t)
+      for (int t = 0; t < TB; ++t)
         if (t < batch) xr[t] = A::load_x(p, bos + t0 + t, c);
       if (t0 == 0) {
 #pragma unroll
@@ -234,7 +240,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
         for (int j = 1; j < W - 1; ++j) A::store_state(p, col0, j - 1, win[j]);
       }
 #pragma unroll
-      for (int t = 0; t < kConvTokenBatch; ++t) {
+      for (int t = 0; t < TB; ++t) {
         if (t >= batch) break;
         A::widen(p, xr[t], p.x_dtype, win[W - 1 + t]);
         float y[C];
@@ -259,12 +265,12 @@ __global__ void __launch_bounds__(kConvThreads) conv_update_kernel(const ConvUpd
 #pragma unroll
       for (int j = 0; j < W - 1; ++j)
 #pragma unroll
-        for (int m = 0; m < C; ++m) win[j][m] = win[kConvTokenBatch + j][m];
+        for (int m = 0; m < C; ++m) win[j][m] = win[TB + j][m];
     }
   }
 }
 
-template <int W, typename T>
+template <int W, typename T, int TB = kConvTokenBatch>
 int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   constexpr int C = ConvAccess<T>::C;
   cudaLaunchConfig_t cfg = {};
@@ -276,7 +282,7 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
   cfg.numAttrs = add_pdl(p.pdl, attr, 0);
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T>, p));
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T, TB>, p));
 }
 
 // Four channels a thread as vectors where p.vec holds (the dtypes agree, every run is aligned);
@@ -284,10 +290,19 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
 template <int W>
 int launch_conv_width(const ConvUpdateParams& p, cudaStream_t stream) {
   if (p.vec) {
+    // At most this many tokens a request: one without cu_seqlens, else what the window leaves of
+    // the state's columns (a request with more is skipped by the kernel either way).
+    const bool short_calls = !p.cu_seqlens || p.state_len - (W - 2) <= kConvShortBatch;
     switch (p.state_dtype) {
-      case DType::kBFloat16: return launch_conv_build<W, __nv_bfloat16>(p, stream);
-      case DType::kFloat16: return launch_conv_build<W, __half>(p, stream);
-      case DType::kFloat32: return launch_conv_build<W, float>(p, stream);
+      case DType::kBFloat16:
+        return short_calls ? launch_conv_build<W, __nv_bfloat16, kConvShortBatch>(p, stream)
+                           : launch_conv_build<W, __nv_bfloat16>(p, stream);
+      case DType::kFloat16:
+        return short_calls ? launch_conv_build<W, __half, kConvShortBatch>(p, stream)
+                           : launch_conv_build<W, __half>(p, stream);
+      case DType::kFloat32:
+        return short_calls ? launch_conv_build<W, float, kConvShortBatch>(p, stream)
+                           : launch_conv_build<W, float>(p, stream);
     }
   }
   return launch_conv_build<W, void>(p, stream);
