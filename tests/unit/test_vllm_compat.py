@@ -243,6 +243,21 @@ def test_mtp_refuses_what_vllm_s_op_refuses_naming_the_value(name, expr, message
         assert torch.equal(args["state"], state_before)
 
 
+def test_mtp_checks_leave_the_pool_s_address_to_the_op_while_traced(monkeypatch):
+    # torch.compile(fullgraph=True) cannot trace data_ptr(): traced, the checks skip the address and
+    # the op checks it when it runs (tests/gpu/test_conv_pair_gpu.py compiles vLLM's layer step).
+    args = good_mtp()
+    args["state"] = torch.zeros(2 * 4 * 128 * 128 + 1)[1:].view(2, 4, 128, 128)  # 4 bytes off 16
+    with pytest.raises(ValueError, match="at address offset 4"):
+        vllm_compat._mtp_checks(**args, output_gate_activation="silu")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert vllm_compat._mtp_checks(**args, output_gate_activation="silu") == 2  # H
+    slot = 4 * 128 * 128
+    args["state"] = torch.zeros(2 * slot + 1).as_strided((2, 4, 128, 128), (slot + 1, 128 * 128, 128, 1))
+    with pytest.raises(ValueError, match="state slots must preserve 16-byte alignment; got a slot stride of 262148"):
+        vllm_compat._mtp_checks(**args, output_gate_activation="silu")  # the stride is still checked
+
+
 class OnCUDA(torch.Tensor):
     @property
     def is_cuda(self):
