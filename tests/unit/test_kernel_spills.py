@@ -47,12 +47,17 @@ BUILDS = [(arch, unit) for arch in ("9.0a", "8.0") for unit in ("mtp_bfloat16.cu
     (arch, "mtp_bfloat16.cu") for arch in ("10.0f", "12.0f")]
 
 
-# The one allowance: the streaming kernel's staging-first build (kStreamStageFirstBuild) at sm_90a
+# The allowances: the streaming kernel's staging-first build (kStreamStageFirstBuild) at sm_90a
 # holds two values across the whole kernel in 8 bytes of stack, stored once at its start and
 # reloaded once after the token loop (its SASS): a cost a block, not a token. More, or a spill
 # anywhere else, still fails.
 STAGE_FIRST_BUILD = "decode_mtp_stream_kernelILb1ELi128E13__nv_bfloat16Lb0ELb1E"
-ALLOWED = {("9.0a", STAGE_FIRST_BUILD): 8}
+# And the conv's fp32 width-4 build for calls of at most 2 tokens at sm_90a, held to 64 registers:
+# one 32-bit value loaded at its start, stored to 4 bytes of stack once a thread before the request
+# loop and reloaded from L1 once a token batch (its SASS). fp32 conv state is not vLLM's (its conv
+# state is the model's bf16, whose builds spill nothing and were timed: results-h200-conv.md).
+CONV_SHORT_FP32_W4 = "conv_update_kernelILi4EfLi2EE"
+ALLOWED = {("9.0a", STAGE_FIRST_BUILD): 8, ("9.0a", CONV_SHORT_FP32_W4): 4}
 
 
 def allowed_bytes(arch: str, name: str) -> int:
@@ -74,9 +79,12 @@ def test_the_kernels_vllms_calls_run_spill_nothing(unit, arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["9.0a", "8.0"])
 def test_every_build_of_the_conv_update_spills_nothing(arch, tmp_path):
-    # Widths 2-4, each a channel a thread (v) and four as vectors of fp32, fp16 and bf16: a thread holds
-    # its 4 channels' weights, window and 8 tokens in registers (kernels/conv_update.cuh).
+    # Widths 2-4, each a channel a thread (v) and four as vectors of fp32, fp16 and bf16, the vectors
+    # built twice: a batch of 8 tokens, and one of 2 held to 64 registers by its launch bounds (16
+    # blocks an SM) for calls of at most 2 tokens a request. A thread holds its 4 channels' weights,
+    # window and token batch in registers (kernels/conv_update.cuh), so any spill is a slowdown.
     spills = {name: n for name, n in ptxas_spill_stores("conv.cu", arch, tmp_path).items()
               if "conv_update_kernel" in name}
-    assert len(spills) == 12
-    assert {name: n for name, n in spills.items() if n} == {}
+    short = [name for name in spills if name.endswith("Li2EEEvNS_16ConvUpdateParamsE")]
+    assert len(spills) == 3 * (1 + 3 * 2) and len(short) == 3 * 3
+    assert {name: n for name, n in spills.items() if n > allowed_bytes(arch, name)} == {}
