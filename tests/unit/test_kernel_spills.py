@@ -9,6 +9,7 @@ builds of sm_100 and sm_120."""
 import os
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -64,9 +65,22 @@ def allowed_bytes(arch: str, name: str) -> int:
     return max((n for (a, part), n in ALLOWED.items() if a == arch and part in name), default=0)
 
 
+@pytest.fixture(scope="module")
+def spill_stores(request, tmp_path_factory):
+    """(unit, arch) -> ptxas's report, for every build this run's selected tests read, compiled side by
+    side: each is one ptxas on one core, and one after another they took 4 of CI's 40 minutes."""
+    wanted = sorted({(item.callspec.params.get("unit", "conv.cu"), item.callspec.params["arch"])
+                     for item in request.session.items if "spill_stores" in item.fixturenames})
+    with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1)) as pool:
+        futures = {(unit, arch): pool.submit(ptxas_spill_stores, unit, arch, tmp_path_factory.mktemp("ptxas"))
+                   for unit, arch in wanted}
+    # A missing nvcc skips, a failed compile fails: in the test that reads that build, as it raised.
+    return lambda unit, arch: futures[unit, arch].result()
+
+
 @pytest.mark.parametrize("arch, unit", BUILDS)
-def test_the_kernels_vllms_calls_run_spill_nothing(unit, arch, tmp_path):
-    spills = ptxas_spill_stores(unit, arch, tmp_path)
+def test_the_kernels_vllms_calls_run_spill_nothing(unit, arch, spill_stores):
+    spills = spill_stores(unit, arch)
     pinned = {name: n for name, n in spills.items() if PINNED.search(name)}
     # The streaming kernel (both builds where there are two), the one-token block and warp kernels
     # and the few-token kernel were all found.
@@ -78,12 +92,12 @@ def test_the_kernels_vllms_calls_run_spill_nothing(unit, arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["9.0a", "8.0"])
-def test_every_build_of_the_conv_update_spills_nothing(arch, tmp_path):
+def test_every_build_of_the_conv_update_spills_nothing(arch, spill_stores):
     # Widths 2-4, each a channel a thread (v) and four as vectors of fp32, fp16 and bf16, the vectors
     # built twice: a batch of 8 tokens, and one of 2 held to 64 registers by its launch bounds (16
     # blocks an SM) for calls of at most 2 tokens a request. A thread holds its 4 channels' weights,
     # window and token batch in registers (kernels/conv_update.cuh), so any spill is a slowdown.
-    spills = {name: n for name, n in ptxas_spill_stores("conv.cu", arch, tmp_path).items()
+    spills = {name: n for name, n in spill_stores("conv.cu", arch).items()
               if "conv_update_kernel" in name}
     short = [name for name in spills if name.endswith("Li2EEEvNS_16ConvUpdateParamsE")]
     assert len(spills) == 3 * (1 + 3 * 2) and len(short) == 3 * 3
