@@ -69,7 +69,7 @@ def allowed_bytes(arch: str, name: str) -> int:
 def spill_stores(request, tmp_path_factory):
     """(unit, arch) -> ptxas's report, for every build this run's selected tests read, compiled side by
     side: each is one ptxas on one core (on CI's 2 cores, 1.6 minutes; one after another, 4)."""
-    wanted = sorted({(item.callspec.params.get("unit", "conv.cu"), item.callspec.params["arch"])
+    wanted = sorted({(item.callspec.params["unit"], item.callspec.params["arch"])
                      for item in request.session.items if "spill_stores" in item.fixturenames})
     with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1)) as pool:
         futures = {(unit, arch): pool.submit(ptxas_spill_stores, unit, arch, tmp_path_factory.mktemp("ptxas"))
@@ -91,13 +91,13 @@ def test_the_kernels_vllms_calls_run_spill_nothing(unit, arch, spill_stores):
     assert {name: n for name, n in pinned.items() if n > allowed_bytes(arch, name)} == {}
 
 
-@pytest.mark.parametrize("arch", ["9.0a", "8.0"])
-def test_every_build_of_the_conv_update_spills_nothing(arch, spill_stores):
+@pytest.mark.parametrize("arch, unit", [("9.0a", "conv.cu"), ("8.0", "conv.cu")])
+def test_every_build_of_the_conv_update_spills_nothing(unit, arch, spill_stores):
     # Widths 2-4, each a channel a thread (v) and four as vectors of fp32, fp16 and bf16, the vectors
     # built twice: a batch of 8 tokens, and one of 2 held to 64 registers by its launch bounds (16
     # blocks an SM) for calls of at most 2 tokens a request. A thread holds its 4 channels' weights,
     # window and token batch in registers (kernels/conv_update.cuh), so any spill is a slowdown.
-    spills = {name: n for name, n in spill_stores("conv.cu", arch).items()
+    spills = {name: n for name, n in spill_stores(unit, arch).items()
               if "conv_update_kernel" in name}
     short = [name for name in spills if name.endswith("Li2EEEvNS_16ConvUpdateParamsE")]
     assert len(spills) == 3 * (1 + 3 * 2) and len(short) == 3 * 3
