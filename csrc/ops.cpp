@@ -18,6 +18,7 @@
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -237,6 +238,7 @@ struct DecodeArgs {
   bool per_channel, use_qk_l2norm;
   int64_t layout, min_slot, tokens, gate_activation, variant;
   bool pdl, early_state;
+  double gate_lower_bound;
 };
 
 // An index tensor: int32 or int64, contiguous, of the given shape.
@@ -315,6 +317,10 @@ void decode(const DecodeArgs& x) {
     CUDELTA_CHECK(!x.A_log.has_value() && !x.dt_bias.has_value(), op,
                     ": A_log and dt_bias belong to the raw gate a; with g pass neither");
   }
+  // 0: the softplus form; below 0 (and finite): the bounded form, which only the raw gate has.
+  CUDELTA_CHECK(x.gate_lower_bound == 0.0 || (gate_raw && x.per_channel && x.gate_lower_bound < 0.0 && std::isfinite(x.gate_lower_bound)), op,
+                ": gate_lower_bound ", x.gate_lower_bound, " is not accepted; expected 0 (none) or a finite value < 0, "
+                "with KDA's raw gate a");
   const Tensor& bt = x.beta.has_value() ? *x.beta : *x.b;
   check_gate(op, bt, x.beta.has_value() ? "beta" : "b", L, HV, K, false, rows);
 
@@ -422,6 +428,7 @@ void decode(const DecodeArgs& x) {
     p.A_log_dtype = float_dtype(op, "A_log", x.A_log->scalar_type());
     p.dt_bias = x.dt_bias->data_ptr();
     p.dt_bias_dtype = float_dtype(op, "dt_bias", x.dt_bias->scalar_type());
+    p.gate_lower_bound = static_cast<float>(x.gate_lower_bound);
   }
   p.beta = bt.data_ptr();
   p.beta_dtype = float_dtype(op, "beta", bt.scalar_type());
@@ -487,10 +494,10 @@ void decode_op(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optio
                std::optional<Tensor> num_accepted_tokens, std::optional<Tensor> output_gate,
                std::optional<Tensor> norm_weight, double scale, double norm_eps, bool per_channel, bool use_qk_l2norm,
                int64_t layout, int64_t min_slot, int64_t tokens, int64_t gate_activation, int64_t variant, bool pdl,
-               bool early_state) {
+               bool early_state, double gate_lower_bound) {
   decode(DecodeArgs{q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, cu_seqlens, num_accepted_tokens,
                     output_gate, norm_weight, scale, norm_eps, per_channel, use_qk_l2norm, layout, min_slot, tokens,
-                    gate_activation, variant, pdl, early_state});
+                    gate_activation, variant, pdl, early_state, gate_lower_bound});
 }
 
 // cudelta::conv_update: the causal-conv1d update before the step (ConvUpdateParams, launch.h).
@@ -513,7 +520,11 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
   CUDELTA_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [tokens, dim] with dim contiguous, got ",
                 shape_of(x));
   const int64_t L = x.size(0), dim = x.size(1);
-  CUDELTA_CHECK(weight.dim() == 2 && weight.size(0) == dim, op, ": weight must be [dim=", dim, ", width], got ",
+  // [dim, width], or vLLM's KDA decode layout [segments, width, dim / segments] (q, k, v tap-major).
+  const bool segmented = weight.dim() == 3;
+  CUDELTA_CHECK((weight.dim() == 2 && weight.size(0) == dim) ||
+                    (segmented && weight.size(0) >= 1 && weight.size(0) * weight.size(2) == dim),
+                op, ": weight must be [dim=", dim, ", width] or [segments, width, dim / segments], got ",
                 shape_of(weight));
   const int64_t width = weight.size(1);
   CUDELTA_CHECK(width >= 2 && width <= 4, op, ": conv width ", width, " is not supported; accepted: 2, 3, 4");
@@ -561,8 +572,10 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
   p.cs_col = conv_state.stride(2);
   p.weight = weight.data_ptr();
   p.weight_dtype = float_dtype(op, "weight", weight.scalar_type());
-  p.w_stride_dim = weight.stride(0);
+  p.w_stride_dim = segmented ? weight.stride(2) : weight.stride(0);
   p.w_stride_tap = weight.stride(1);
+  p.w_seg = segmented ? weight.size(2) : dim;
+  p.w_stride_seg = segmented ? weight.stride(0) : 0;
   if (bias.has_value()) {
     p.bias = bias->data_ptr();
     p.bias_dtype = float_dtype(op, "bias", bias->scalar_type());
@@ -595,8 +608,20 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
                         (!bias.has_value() || bias->scalar_type() == x.scalar_type());
   p.vec = one_dtype && dim % 4 == 0 && conv_state.stride(1) == 1 && run_aligned(x, {x.stride(0)}) &&
           run_aligned(out, {out.stride(0)}) && run_aligned(conv_state, {conv_state.stride(0), conv_state.stride(2)}) &&
-          (!bias.has_value() || run_aligned(*bias, {})) && weight.stride(1) == 1 && weight.stride(0) == width &&
+          (!bias.has_value() || run_aligned(*bias, {})) && !segmented && weight.stride(1) == 1 &&
+          weight.stride(0) == width &&
           reinterpret_cast<uintptr_t>(weight.data_ptr()) % 8 == 0;
+  const bool taps16 = [&] {
+    const auto a16 = [](int64_t elems) { return elems % 4 == 0; };
+    return reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0 && a16(p.w_seg) && a16(p.w_stride_seg) &&
+           a16(p.w_stride_tap) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 == 0);
+  }();
+  p.f32_taps = segmented && width == 4 && p.w_stride_dim == 1 && taps16 && weight.scalar_type() == ScalarType::Float &&
+               x.scalar_type() == ScalarType::BFloat16 && conv_state.scalar_type() == ScalarType::BFloat16 &&
+               (!bias.has_value() || bias->scalar_type() == ScalarType::Float) && dim % 4 == 0 &&
+               conv_state.stride(1) == 1 && run_aligned(x, {x.stride(0)}) && run_aligned(out, {out.stride(0)}) &&
+               run_aligned(conv_state, {conv_state.stride(0), conv_state.stride(2)}) &&
+               (!cu_seqlens.has_value() || conv_state.size(2) - 2 <= 2);
   ImageInfo info{};
   select(device, -1, 1, &info);  // names a GPU this build has no image for
   p.pdl = pdl && info.cuda_arch >= 900;
@@ -646,14 +671,15 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
   // [N, C] (a checkpoint per token). gate_activation 0 (no epilogue), 1 silu, 2 sigmoid;
   // variant -1 = auto; pdl: programmatic dependent launch where the image is sm_90+ (CUDELTA_PDL,
   // read once in Python); early_state: the kernel before it in the stream is cudelta's conv update
-  // of the same layer step (GdnDecodeParams::early_state). The output goes to `out` (engines
+  // of the same layer step (GdnDecodeParams::early_state); gate_lower_bound < 0: the raw gate's
+  // bounded form (GdnDecodeParams::gate_lower_bound), 0 none. The output goes to `out` (engines
   // preallocate it; the Python API does too).
   m.def(
       "decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
       "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, Tensor? cu_seqlens, "
       "Tensor? num_accepted_tokens, Tensor? output_gate, Tensor? norm_weight, float scale, float norm_eps, "
       "bool per_channel, bool use_qk_l2norm, int layout, int min_slot, int tokens, int gate_activation, "
-      "int variant, bool pdl, bool early_state=False) -> ()");
+      "int variant, bool pdl, bool early_state=False, float gate_lower_bound=0.) -> ()");
   // The causal-conv1d update before the step: x [tokens, dim], conv_state [slots, dim, state_len]
   // updated in place, out [tokens, dim] (may be x); one token a row, or cu_seqlens with
   // num_accepted_tokens (speculative decoding); silu or no activation.

@@ -7,6 +7,7 @@ log-decay over the K key channels), and it is the only difference between them d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,10 +43,19 @@ class DecodeCall:
     norm_weight: Optional[torch.Tensor] = None
     norm_eps: Optional[float] = None
     gate_activation: Optional[str] = None
+    gate_lower_bound: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind={self.kind!r} is not accepted; expected one of {KINDS}")
+        lb = self.gate_lower_bound
+        if lb is not None:
+            # The bounded form is KDA's (vLLM's Kimi K3 "safe gate") and is a form of the raw gate.
+            if self.kind != "kda" or self.a is None:
+                raise ValueError(f"gate_lower_bound={lb!r} needs kda_decode with the raw gate a (A_log, dt_bias); "
+                                 f"got kind {self.kind!r}{'' if self.a is not None else ' without a'}")
+            if not (isinstance(lb, (int, float)) and math.isfinite(lb) and lb < 0):
+                raise ValueError(f"gate_lower_bound must be a finite number < 0 (or None); got {lb!r}")
 
     @property
     def per_channel(self) -> bool:

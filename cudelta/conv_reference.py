@@ -43,8 +43,10 @@ def check_conv_call(x, conv_state, weight, bias, activation, conv_state_indices,
     if conv_state.dim() != 3:
         raise ValueError(f"conv_state must be [slots, dim, state_len]; got shape {tuple(conv_state.shape)}")
     dim = x.shape[1]
-    if weight.dim() != 2 or weight.shape[0] != dim or weight.shape[1] < 2:
-        raise ValueError(f"weight must be [dim={dim}, width >= 2]; got shape {tuple(weight.shape)}")
+    segmented = weight.dim() == 3 and weight.shape[0] >= 1 and weight.shape[0] * weight.shape[2] == dim
+    if not (segmented or (weight.dim() == 2 and weight.shape[0] == dim)) or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [dim={dim}, width >= 2], or [segments, width, dim / segments] (vLLM's KDA "
+                         f"decode layout); got shape {tuple(weight.shape)}")
     width = weight.shape[1]
     if conv_state.shape[1] != dim or conv_state.shape[2] < width - 1:
         raise ValueError(f"conv_state must be [slots, dim={dim}, state_len >= width - 1 = {width - 1}]; "
@@ -69,6 +71,12 @@ def check_conv_call(x, conv_state, weight, bias, activation, conv_state_indices,
             raise ValueError(f"num_accepted_tokens must be [N = {N}]; got shape {tuple(num_accepted_tokens.shape)}")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must match x ({x.dtype} {tuple(x.shape)}); got {out.dtype} {tuple(out.shape)}")
+
+
+def dim_major(weight: torch.Tensor) -> torch.Tensor:
+    """weight as [dim, width]: vLLM's KDA decode layout [segments, width, dim / segments] (q, k and v
+    each tap-major) has channel s * (dim / segments) + i's tap j at weight[s, j, i]."""
+    return weight if weight.dim() == 2 else weight.permute(0, 2, 1).reshape(-1, weight.shape[1])
 
 
 def causal_conv1d_update_reference(
@@ -116,8 +124,8 @@ def causal_conv1d_update_reference(
         plan.append((slot, bos, eos, off))
     if len({slot for slot, *_ in plan}) != len(plan):
         raise ValueError(f"conv_state_indices name a slot twice among the requests computed: {indices}")
-    w = weight.float()
-    b = bias.float() if bias is not None else torch.zeros(weight.shape[0], device=x.device)
+    w = dim_major(weight).float()
+    b = bias.float() if bias is not None else torch.zeros(w.shape[0], device=x.device)
     for slot, bos, eos, off in plan:
         tokens = eos - bos
         seq = torch.cat([conv_state[slot, :, off:off + width - 1], x[bos:eos].to(conv_state.dtype).T], dim=1)

@@ -54,7 +54,8 @@ def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Opti
         call.resolved_scale, DEFAULT_NORM_EPS if call.norm_eps is None else float(call.norm_eps), call.per_channel,
         call.use_qk_l2norm, LAYOUTS.index(call.layout), min_valid_slot(call.invalid_slot), T,
         _ACTIVATIONS[call.gate_activation] if epilogue else 0, variant,
-        _native.status().pdl if pdl is None else pdl, early_state)
+        _native.status().pdl if pdl is None else pdl, early_state,
+        0.0 if call.gate_lower_bound is None else float(call.gate_lower_bound))
 
 
 def _check(call: DecodeCall, overlap: bool = True) -> None:
@@ -194,9 +195,12 @@ def kda_decode(
     norm_weight: Optional[torch.Tensor] = None,
     norm_eps: Optional[float] = None,
     gate_activation: Optional[str] = None,
+    gate_lower_bound: Optional[float] = None,
 ) -> torch.Tensor:
     """Kimi Delta Attention decode: as gdn_decode, with a per-channel log-decay g [..., HV, K], or raw
-    a [..., HV, K] with A_log [HV] and dt_bias [HV, K]."""
+    a [..., HV, K] with A_log [HV] and dt_bias [HV, K]: -exp(A_log) * softplus(a + dt_bias), or, with
+    gate_lower_bound < 0, gate_lower_bound * sigmoid(exp(A_log) * (a + dt_bias)) (vLLM's Kimi K3
+    bounded "safe gate", cudelta.kda_gate)."""
     return _decode(DecodeCall("kda", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm,
                               layout, invalid_slot, out, cu_seqlens, num_accepted_tokens, output_gate, norm_weight,
-                              norm_eps, gate_activation))
+                              norm_eps, gate_activation, gate_lower_bound))

@@ -39,16 +39,23 @@ def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tor
     return -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float(), beta=1.0, threshold=20.0)
 
 
-def kda_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Raw KDA gate a [..., HV, K] with A_log [HV], dt_bias [HV, K] -> per-channel log-decay."""
-    return -torch.exp(A_log.float())[:, None] * F.softplus(a.float() + dt_bias.float(), beta=1.0, threshold=20.0)
+def kda_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             lower_bound: Optional[float] = None) -> torch.Tensor:
+    """Raw KDA gate a [..., HV, K] with A_log [HV], dt_bias [HV, K] -> per-channel log-decay:
+    -exp(A_log) * softplus(a + dt_bias), or with lower_bound < 0 the bounded form lower_bound *
+    sigmoid(exp(A_log) * (a + dt_bias)) (vLLM's Kimi K3 "safe gate"; decays in [e^lower_bound, 1))."""
+    x = a.float() + dt_bias.float()
+    A = torch.exp(A_log.float())[:, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(A * x)
+    return -A * F.softplus(x, beta=1.0, threshold=20.0)
 
 
-def resolve_gates(kind, lead, HV, K, g, beta, a, b, A_log, dt_bias):
+def resolve_gates(kind, lead, HV, K, g, beta, a, b, A_log, dt_bias, lower_bound: Optional[float] = None):
     """(log-decay, beta) in fp32 from either the precomputed or the raw form, with named errors."""
     check_gates(kind, lead, HV, K, g, beta, a, b, A_log, dt_bias)
     if g is None:
-        g = (kda_gate if kind == "kda" else gdn_gate)(a, A_log, dt_bias)
+        g = kda_gate(a, A_log, dt_bias, lower_bound) if kind == "kda" else gdn_gate(a, A_log, dt_bias)
     return g.float(), (beta.float() if beta is not None else torch.sigmoid(b.float()))
 
 
@@ -188,7 +195,7 @@ def decode_reference(call: DecodeCall) -> torch.Tensor:
     then the step."""
     shape = check_decode_call(call)
     log_decay, beta = resolve_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b,
-                                    call.A_log, call.dt_bias)
+                                    call.A_log, call.dt_bias, call.gate_lower_bound)
     return delta_rule_decode_reference(
         call.q, call.k, call.v, log_decay, beta, call.state, call.idx, scale=call.scale,
         use_qk_l2norm=call.use_qk_l2norm, layout=call.layout, invalid_slot=call.invalid_slot, out=call.out,

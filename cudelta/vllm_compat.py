@@ -1,4 +1,5 @@
-"""A drop-in for vLLM 0.33's GDN decode calls, with vLLM's signatures and argument rules:
+"""A drop-in for vLLM 0.33's GDN decode calls (and Kimi K3's KDA layer step, `fused_kda_decode`, below),
+with vLLM's signatures and argument rules:
 
     # before
     from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
@@ -29,11 +30,12 @@ place unless `out` is given. It is correct, but at B <= 32 slower than vLLM's Tr
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
-from . import conv
+from . import _native, conv
 from ._call import DecodeCall
 from .conv_reference import check_conv_call
 from .ops import _decode, gdn_decode
@@ -354,3 +356,180 @@ def causal_conv1d_update(
     _same_device(x=x, conv_state=conv_state, weight=weight, conv_state_indices=conv_state_indices)
     return conv.causal_conv1d_update(x, conv_state, weight, bias, activation, conv_state_indices, query_start_loc,
                                      num_accepted_tokens, int(null_block_id), x if out is None else out)
+
+
+KDA_HEAD_DIM = 128  # vLLM's fused KDA op: head_dim 128, conv width 4 over q, k and v
+KDA_CONV_WIDTH = 4
+
+
+def _kda_checks(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+                lower_bound, output_gate, norm_weight, norm_eps) -> int:
+    """vLLM's fused_kda_decode rules, in its order (its library's check messages), with two of
+    cudelta's own: any head count H (vLLM's kernels are built for 12, 24, 48 and 96) and a bf16
+    recurrent state beside fp32. Returns H."""
+    D, W = KDA_HEAD_DIM, KDA_CONV_WIDTH
+    bf16, f32 = torch.bfloat16, torch.float32
+    for name, t, want in (("x", x, bf16), ("weight", weight, f32), ("conv_state", conv_state, bf16),
+                          ("raw_g", raw_g, bf16), ("raw_beta", raw_beta, bf16), ("A_log", A_log, f32),
+                          ("dt_bias", dt_bias, f32), ("out", out, bf16), ("state_indices", state_indices, torch.int32)):
+        _require(t.dtype == want, f"{name} must be a {str(want)[6:]} tensor; got {t.dtype}")
+    _require(state.dtype in (f32, bf16), f"state must be a float32 (vLLM's) or bfloat16 tensor; got {state.dtype}")
+    tensors = dict(x=x, weight=weight, conv_state=conv_state, raw_g=raw_g, raw_beta=raw_beta, A_log=A_log,
+                   dt_bias=dt_bias, state_indices=state_indices, state=state, out=out)
+    tensors.update({n: t for n, t in (("bias", bias), ("output_gate", output_gate), ("norm_weight", norm_weight))
+                    if t is not None})
+    _same_device(**tensors)
+    _require(x.dim() == 2 and x.shape[1] % (3 * D) == 0 and x.shape[1] > 0,
+             f"x must have shape [B, 3 * H * {D}]; got {tuple(x.shape)}")
+    H, B = x.shape[1] // (3 * D), x.shape[0]
+    _require(B >= 1, "the fused KDA decode requires at least one row; x has 0")
+    _require(tuple(weight.shape) == (3, W, H * D), f"weight must have shape [3, {W}, H * {D}] = [3, {W}, {H * D}]; "
+             f"got {tuple(weight.shape)}")
+    _require(conv_state.dim() == 3 and tuple(conv_state.shape[1:]) == (3 * H * D, W - 1),
+             f"conv_state must have shape [slots, 3 * H * {D}, {W - 1}] = [slots, {3 * H * D}, {W - 1}]; got "
+             f"{tuple(conv_state.shape)}")
+    for name, t, want in (("raw_g", raw_g, (1, B, H, D)), ("raw_beta", raw_beta, (1, B, H)),
+                          ("out", out, (1, B, H, D))):
+        _require(tuple(t.shape) == want, f"{name} must have shape {list(want)}; got {tuple(t.shape)}")
+    for name, t, n in (("A_log", A_log, H), ("dt_bias", dt_bias, H * D), ("state_indices", state_indices, B)):
+        _require(t.is_contiguous() and t.numel() == n, f"{name} must be contiguous with {n} elements; got "
+                 f"{t.numel()} elements, strides {t.stride()}")
+    _require(state.dim() == 4 and tuple(state.shape[1:]) == (H, D, D),
+             f"state must have shape [slots, H, {D}, {D}] = [slots, {H}, {D}, {D}]; got {tuple(state.shape)}")
+    _require(x.stride(1) == 1, f"x must be contiguous in its channel dimension; got strides {x.stride()}")
+    sd = conv_state.stride(1) == 1 and conv_state.stride(2) == 3 * H * D  # pages [3, dim], passed transposed
+    ds = conv_state.stride(2) == 1 and conv_state.stride(1) == W - 1      # pages [dim, 3]
+    _require(sd or ds, f"conv_state must use the SD or DS cache layout; got strides {conv_state.stride()}")
+    _require(state.stride()[1:] == (D * D, D, 1),
+             f"state must have contiguous [H, {D}, {D}] slot contents; got strides {state.stride()}")
+    _require(raw_beta.stride(2) == 1, f"raw_beta must be contiguous in its head dimension; got {raw_beta.stride()}")
+    _require((output_gate is None) == (norm_weight is None), "output_gate and norm_weight must be provided together")
+    if output_gate is not None:
+        _require(output_gate.dtype == bf16, f"output_gate must be a bfloat16 tensor; got {output_gate.dtype}")
+        _require(tuple(output_gate.shape) in ((B, H, D), (1, B, H, D)),
+                 f"output_gate must have shape [B, H, {D}] or [1, B, H, {D}] = [{B}, {H}, {D}]; got "
+                 f"{tuple(output_gate.shape)}")
+        _require(output_gate.stride(-1) == 1 and output_gate.stride(-2) == D,
+                 f"output_gate must have contiguous head rows; got strides {output_gate.stride()}")
+        _require(norm_weight.dtype == f32, f"norm_weight must be a float32 tensor; got {norm_weight.dtype}")
+        _require(norm_weight.is_contiguous() and norm_weight.numel() == D,
+                 f"norm_weight must be contiguous with {D} elements; got {norm_weight.numel()}")
+    if bias is not None:
+        _require(bias.dtype == f32, f"bias must be a float32 tensor; got {bias.dtype}")
+        _require(bias.is_contiguous() and bias.numel() == 3 * H * D,
+                 f"bias must be contiguous with 3 * H * {D} = {3 * H * D} elements; got {bias.numel()}")
+    _require(raw_g.is_contiguous(), f"raw_g must be contiguous; got strides {raw_g.stride()}")
+    _require(out.is_contiguous(), f"out must be contiguous; got strides {out.stride()}")
+    _require(norm_eps >= 0, f"norm_eps must be non-negative; got {norm_eps}")
+    # The step's own rule (cudelta._call.DecodeCall), named before the conv has written anything.
+    _require(lower_bound is None or (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)
+                                     and lower_bound < 0),
+             f"gate_lower_bound must be a finite number < 0 (or None); got {lower_bound!r}")
+    offset = 0 if torch.compiler.is_compiling() else state.data_ptr() % 16
+    _require((state.stride(0) * state.element_size()) % 16 == 0 and offset == 0,
+             f"state slots must preserve 16-byte alignment; got a slot stride of "
+             f"{state.stride(0) * state.element_size()} bytes at address offset {offset}")
+    return H
+
+
+def fused_kda_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    conv_state: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    state: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    lower_bound: Optional[float] = None,
+    output_gate: Optional[torch.Tensor] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-5,
+) -> torch.Tensor:
+    """vLLM's Kimi K3 KDA decode layer step (vllm._custom_ops.fused_kda_decode), one token a request:
+    x [B, 3*H*128] bf16, q, k and v before the conv (not written); the causal conv (width 4, SiLU,
+    weight [3, 4, H*128] fp32, bias [3*H*128] fp32 or None) advances conv_state [slots, 3*H*128, 3]
+    bf16 (vLLM's SD or DS layout) at state_indices [B] int32; then the KDA step on the conv's
+    outputs, q and k L2-normalised, q scaled by 128^-0.5, raw gates raw_g [1, B, H, 128] bf16 with
+    A_log [H] and dt_bias [H*128] fp32 (decay exp(lower_bound * sigmoid(exp(A_log) * (raw_g +
+    dt_bias))), or the softplus form without lower_bound), beta sigmoid(raw_beta [1, B, H]), on
+    vLLM's pool state [slots, H, 128 (V), 128 (K)] in place; a slot <= 0 is skipped (zero output,
+    nothing written). With output_gate [B, H, 128] bf16 and norm_weight [128] fp32, the output
+    (rounded to bf16) goes through the gated RMSNorm with a sigmoid gate. Returns out [1, B, H, 128].
+
+    Two launches where vLLM's op is one: cudelta's conv kernel into a scratch buffer (on vLLM's SD
+    pages its build for this fp32 tap-major weight, four channels a thread), then the step, which
+    starts its state loads while the conv runs (early_state, as conv_then_gdn_decode_post_conv_mtp);
+    the conv outputs are rounded to bf16 between them, where vLLM's op may keep them in fp32 (a bf16
+    ulp of q, k, v: benchmarks/results-h200-kda.md)."""
+    out = _kda_out(x, out)
+    H = _kda_checks(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+                    lower_bound, output_gate, norm_weight, norm_eps)
+    return _kda_step(H, x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+                     lower_bound, output_gate, norm_weight, norm_eps, reference=False)
+
+
+def fused_kda_decode_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    conv_state: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    state: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    lower_bound: Optional[float] = None,
+    output_gate: Optional[torch.Tensor] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-5,
+) -> torch.Tensor:
+    """fused_kda_decode's PyTorch reference on any device (cudelta.conv_reference, then
+    cudelta.reference's step, fp32 math): the same arguments, rules and in-place updates."""
+    out = _kda_out(x, out)
+    H = _kda_checks(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+                    lower_bound, output_gate, norm_weight, norm_eps)
+    return _kda_step(H, x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+                     lower_bound, output_gate, norm_weight, norm_eps, reference=True)
+
+
+def _kda_out(x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """out, or [1, B, H, 128] in x's dtype with H from x's width (checked with the rest after)."""
+    if out is not None:
+        return out
+    heads = max(x.shape[-1] // (3 * KDA_HEAD_DIM), 1) if x.dim() == 2 else 1
+    return torch.empty(1, x.shape[0], heads, KDA_HEAD_DIM, dtype=x.dtype, device=x.device)
+
+
+def _kda_step(H, x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+              lower_bound, output_gate, norm_weight, norm_eps, reference: bool) -> torch.Tensor:
+    """The conv, then the step, on arguments _kda_checks has passed."""
+    from .conv_reference import causal_conv1d_update_reference
+    from .reference import decode_reference
+
+    D = KDA_HEAD_DIM
+    conv_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if reference or _native.kernels_for(x) is None:
+        # The reference raises on a slot outside the pool where the kernel skips it: vLLM's padding
+        # slot (-1) is skipped like its null block.
+        conv_slots = state_indices.clamp(min=0)
+        causal_conv1d_update_reference(x, conv_state, weight, bias, "silu", conv_slots, null_block_id=0, out=conv_out)
+    else:
+        conv.run_checked(x, conv_state, weight, bias, "silu", state_indices, None, None, 0, conv_out)
+    q, k, v = _split_qkv(conv_out, H, H, D, D)
+    z = output_gate[0] if output_gate is not None and output_gate.dim() == 4 else output_gate
+    call = DecodeCall("kda", q, k, v, None, None, state, state_indices, a=raw_g[0], b=raw_beta[0], A_log=A_log,
+                      dt_bias=dt_bias.view(H, D), scale=D ** -0.5, use_qk_l2norm=True, layout="vk",
+                      invalid_slot="nonpositive", out=out[0], output_gate=z, norm_weight=norm_weight,
+                      norm_eps=norm_eps if z is not None else None, gate_activation="sigmoid" if z is not None else None,
+                      gate_lower_bound=lower_bound)
+    if reference:
+        decode_reference(call)
+    else:
+        _decode(call, early_state=True)
+    return out

@@ -133,6 +133,47 @@ struct ConvAccess {
     Four<T>::store(col0, col * p.cs_col, v);
   }
 };
+// vLLM's Kimi K3 KDA decode weight as the layer keeps it (fp32, [3, W, dim / 3]: each of q, k and v
+// tap-major) beside bf16 x, state and out: ConvAccess<T>'s four channels a thread, the 4 channels'
+// tap j one 16-byte vector (a channel a thread, the scalar build, took 3.5x the time of this at B =
+// 512 on an H200: benchmarks/kda_parts.py). The bias, if any, fp32.
+template <typename T>
+struct ConvAccessF32Taps : ConvAccess<T> {
+  static constexpr int C = 4;
+  template <int W>
+  struct Weights {
+    float4 r[W];
+    float4 rb;
+  };
+  template <int W>
+  static __device__ __forceinline__ Weights<W> load_weights(const ConvUpdateParams& p, int64_t c) {
+    Weights<W> raw;
+    const float* src = static_cast<const float*>(p.weight) + (c / p.w_seg) * p.w_stride_seg + (c % p.w_seg);
+#pragma unroll
+    for (int j = 0; j < W; ++j) raw.r[j] = *reinterpret_cast<const float4*>(src + j * p.w_stride_tap);
+    raw.rb = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (p.bias) raw.rb = *reinterpret_cast<const float4*>(static_cast<const float*>(p.bias) + c);
+    return raw;
+  }
+  template <int W>
+  static __device__ __forceinline__ void widen_weights(const ConvUpdateParams& p, const Weights<W>& raw,
+                                                       float (&w)[C][W], float (&b)[C]) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      w[0][j] = raw.r[j].x;
+      w[1][j] = raw.r[j].y;
+      w[2][j] = raw.r[j].z;
+      w[3][j] = raw.r[j].w;
+    }
+    if (p.bias) {
+      b[0] = raw.rb.x;
+      b[1] = raw.rb.y;
+      b[2] = raw.rb.z;
+      b[3] = raw.rb.w;
+    }
+  }
+};
+
 template <>
 struct ConvAccess<void> {
   static constexpr int C = 1;
@@ -145,8 +186,9 @@ struct ConvAccess<void> {
   template <int W>
   static __device__ __forceinline__ Weights<W> load_weights(const ConvUpdateParams& p, int64_t c) {
     Weights<W> raw;
+    const int64_t at = (c / p.w_seg) * p.w_stride_seg + (c % p.w_seg) * p.w_stride_dim;
 #pragma unroll
-    for (int j = 0; j < W; ++j) raw.bits[j] = load_bits(p.weight, p.weight_dtype, c * p.w_stride_dim + j * p.w_stride_tap);
+    for (int j = 0; j < W; ++j) raw.bits[j] = load_bits(p.weight, p.weight_dtype, at + j * p.w_stride_tap);
     raw.bb = 0;
     if (p.bias) raw.bb = load_bits(p.bias, p.bias_dtype, c);
     return raw;
@@ -197,9 +239,8 @@ __device__ __forceinline__ Request load_request(const ConvUpdateParams& p, int64
 // cannot hold (a slot out of range, rows outside x, a window or new state past state_len) is skipped
 // like a null slot: the reference raises for it, which a kernel cannot without a host sync, and
 // nothing is half-written.
-template <int W, typename T, int TB>
-__global__ void __launch_bounds__(kConvThreads, TB <= kConvShortBatch ? 16 : 1) conv_update_kernel(const ConvUpdateParams p) {
-  using A = ConvAccess<T>;
+template <int W, typename A, int TB>
+__device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
   constexpr int C = A::C;
   pdl_enter();
   const int64_t c = (int64_t(blockIdx.x) * kConvThreads + threadIdx.x) * C;
@@ -270,7 +311,18 @@ __global__ void __launch_bounds__(kConvThreads, TB <= kConvShortBatch ? 16 : 1) 
   }
 }
 
-template <int W, typename T, int TB = kConvTokenBatch>
+template <int W, typename T, int TB>
+__global__ void __launch_bounds__(kConvThreads, TB <= kConvShortBatch ? 16 : 1) conv_update_kernel(const ConvUpdateParams p) {
+  conv_update<W, ConvAccess<T>, TB>(p);
+}
+// vLLM's KDA layer step (ConvAccessF32Taps): bf16, one token a row.
+template <int W, int TB>
+__global__ void __launch_bounds__(kConvThreads, TB <= kConvShortBatch ? 16 : 1) conv_update_f32_taps_kernel(
+    const ConvUpdateParams p) {
+  conv_update<W, ConvAccessF32Taps<__nv_bfloat16>, TB>(p);
+}
+
+template <int W, typename T, int TB = kConvTokenBatch, bool F32_TAPS = false>
 int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   constexpr int C = ConvAccess<T>::C;
   cudaLaunchConfig_t cfg = {};
@@ -282,13 +334,17 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
   cfg.numAttrs = add_pdl(p.pdl, attr, 0);
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T, TB>, p));
+  if constexpr (F32_TAPS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_kernel<W, TB>, p));
+  else return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T, TB>, p));
 }
 
 // Four channels a thread as vectors where p.vec holds (the dtypes agree, every run is aligned);
 // else a channel a thread.
 template <int W>
 int launch_conv_width(const ConvUpdateParams& p, cudaStream_t stream) {
+  if constexpr (W == 4) {
+    if (p.f32_taps) return launch_conv_build<W, __nv_bfloat16, kConvShortBatch, true>(p, stream);
+  }
   if (p.vec) {
     // At most this many tokens a request: one without cu_seqlens, else what the window leaves of
     // the state's columns (a request with more is skipped by the kernel either way).

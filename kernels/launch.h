@@ -42,6 +42,9 @@ struct GdnDecodeParams {
   DType A_log_dtype;
   const void* dt_bias;  // [HV] or [HV, K], contiguous (gate_raw only)
   DType dt_bias_dtype;
+  // gate_raw with gate_lower_bound < 0 (KDA): the log-decay is bounded, lower_bound * sigmoid(
+  // exp(A_log) * (a + dt_bias)), in [lower_bound, 0) (vLLM's Kimi K3 "safe gate"); 0: the softplus form.
+  float gate_lower_bound;
   // beta [N, HV] in (0, 1), or (beta_raw) b with beta = sigmoid(b).
   const void* beta;
   DType beta_dtype;
@@ -126,9 +129,13 @@ struct ConvUpdateParams {
   void* conv_state;  // [slots, dim, state_len], strides in elements
   DType state_dtype;
   int64_t cs_slot, cs_dim, cs_col;
-  const void* weight;  // [dim, width]
+  // weight [dim, width] (w_seg = dim), or segments of w_seg channels each (vLLM's KDA decode weight
+  // [3, width, dim / 3], q, k and v tap-major): channel c's tap j is element
+  // (c / w_seg) * w_stride_seg + (c % w_seg) * w_stride_dim + j * w_stride_tap.
+  const void* weight;
   DType weight_dtype;
   int64_t w_stride_dim, w_stride_tap;
+  int64_t w_seg, w_stride_seg;
   const void* bias;  // [dim], contiguous, or null
   DType bias_dtype;
   const void* indices;  // [N], indices_stride elements apart (vLLM passes a column of its block table)
@@ -146,6 +153,10 @@ struct ConvUpdateParams {
   // contiguous there, cs_dim 1), and the weight is a contiguous [dim, width] on 8 bytes: a thread
   // moves 4 channels as vectors.
   bool vec;
+  // As vec, but the weight is vLLM's KDA decode layout in fp32 (w_seg and the strides whole 16-byte
+  // runs, w_stride_dim 1), x and the state bf16, the bias fp32 or none, width 4, at most 2 tokens a
+  // request (kernels/conv_update.cuh, ConvAccessF32Taps).
+  bool f32_taps;
 };
 __attribute__((visibility("hidden"))) int launch_conv_update(const ConvUpdateParams& p, void* stream);  // units/conv.cu
 

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
       widen_run<E>(b.q[i], p.dtype, p.qk_aligned, qv[i]);
       widen_run<E>(b.k[i], p.dtype, p.qk_aligned, kv[i]);
     }
-    const float decay = decay_of(p, b.d, a_log_bits), beta = beta_of(p, b.beta);
+    const float decay = decay_of<false>(p, b.d, a_log_bits), beta = beta_of(p, b.beta);
     const float v_t = widen_bits(b.v, p.dtype);
     const int64_t dst = b.dst;
     if constexpr (TT <= 2) z_bits[t] = b.z;

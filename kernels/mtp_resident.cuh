@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
     if constexpr (PER_CHANNEL) {
       decays<NK>(p, d_bits, a_log_bits, decay);
     } else {
-      const float d = decay_of(p, d_bits[0], a_log_bits);
+      const float d = decay_of<false>(p, d_bits[0], a_log_bits);
 #pragma unroll
       for (int b = 0; b < NK; ++b) decay[b] = d;
     }

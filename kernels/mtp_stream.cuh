@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         }
         if (lane == 0) {
           s_beta[t] = beta_of(p, b.beta);
-          s_decay[t] = PER_CHANNEL ? 1.f : decay_of(p, b.d[0], a_log_bits);
+          s_decay[t] = PER_CHANNEL ? 1.f : decay_of<false>(p, b.d[0], a_log_bits);
           s_dst[t] = slot_valid(p, b.dst) ? b.dst : -1;  // -1: no checkpoint (idx [N], or an invalid slot)
         }
       }

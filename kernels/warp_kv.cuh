@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(32 * WPB, (kv_warp_min_blocks<K, ST, CPR, PER_
 #pragma unroll
     for (int j = 0; j < NR; ++j) decay[j] = __shfl_sync(0xffffffffu, mine[j % G], (r * NR + j) / G);
   } else {
-    decay[0] = decay_of(p, d_bits[0], a_log_bits);
+    decay[0] = decay_of<false>(p, d_bits[0], a_log_bits);
   }
   const float beta = beta_of(p, beta_bits);
   // Each row group's lanes hold the same sums: add across the groups only.

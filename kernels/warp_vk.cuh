@@ -156,7 +156,7 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
   if constexpr (PER_CHANNEL) {
     decays<CPL * E>(p, d_bits, a_log_bits, decay);
   } else {
-    const float d = decay_of(p, d_bits[0], a_log_bits);
+    const float d = decay_of<false>(p, d_bits[0], a_log_bits);
 #pragma unroll
     for (int i = 0; i < CPL * E; ++i) decay[i] = d;
   }

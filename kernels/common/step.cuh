@@ -48,8 +48,9 @@ __device__ __forceinline__ float softplus20(float x) {
 // The gates in two phases: the bits of their inputs, then the value. The warp kernels issue the
 // loads of every input of the step before they widen any (load_bits); the block kernel takes both
 // phases at once (load_decay, load_beta below). The decay is exp of the log-decay: the precomputed g,
-// or -exp(A_log) * softplus(a + dt_bias) of the raw gate, per head (channel < 0) or per key channel
-// (KDA). A_log is one per head (a_log_bits: 0 with precomputed gates).
+// or -exp(A_log) * softplus(a + dt_bias) of the raw gate (lower_bound * sigmoid(exp(A_log) * (a +
+// dt_bias)) where gate_lower_bound is set), per head (channel < 0) or per key channel (KDA). A_log is
+// one per head (a_log_bits: 0 with precomputed gates).
 struct DecayBits {
   uint32_t x, bias;
 };
@@ -62,8 +63,10 @@ __device__ __forceinline__ DecayBits load_decay_bits(const GdnDecodeParams& p, i
 __device__ __forceinline__ uint32_t load_a_log_bits(const GdnDecodeParams& p, int64_t hv) {
   return p.gate_raw ? load_bits(p.A_log, p.A_log_dtype, hv) : 0u;
 }
-// The decays of N gates of one head (its key channels, for KDA), straight-line over N.
-template <int N>
+// The decays of N gates of one head (its key channels, for KDA), straight-line over N. BOUNDED: the
+// call site may see KDA's bounded gate; GDN's per-head sites pass false and compile no branch for it
+// (it cost the GDN multi-token kernels 2-3% at T >= 2 on an H200).
+template <int N, bool BOUNDED = true>
 __device__ __forceinline__ void decays(const GdnDecodeParams& p, const DecayBits* b, uint32_t a_log_bits, float* out) {
   uint32_t xb[N], bb[N];
 #pragma unroll
@@ -75,16 +78,22 @@ __device__ __forceinline__ void decays(const GdnDecodeParams& p, const DecayBits
   if (p.gate_raw) {
     float bias[N];
     widen_all<N>(bb, p.dt_bias_dtype, bias);
-    const float neg_a = -__expf(widen_bits(a_log_bits, p.A_log_dtype));
+    const float a = __expf(widen_bits(a_log_bits, p.A_log_dtype));
+    if (BOUNDED && p.gate_lower_bound < 0.f) {
 #pragma unroll
-    for (int m = 0; m < N; ++m) out[m] = neg_a * softplus20(out[m] + bias[m]);
+      for (int m = 0; m < N; ++m) out[m] = p.gate_lower_bound * __frcp_rn(1.f + __expf(-a * (out[m] + bias[m])));
+    } else {
+#pragma unroll
+      for (int m = 0; m < N; ++m) out[m] = -a * softplus20(out[m] + bias[m]);
+    }
   }
 #pragma unroll
   for (int m = 0; m < N; ++m) out[m] = __expf(out[m]);
 }
+template <bool BOUNDED = true>
 __device__ __forceinline__ float decay_of(const GdnDecodeParams& p, const DecayBits& b, uint32_t a_log_bits) {
   float d;
-  decays<1>(p, &b, a_log_bits, &d);
+  decays<1, BOUNDED>(p, &b, a_log_bits, &d);
   return d;
 }
 __device__ __forceinline__ uint32_t load_beta_bits(const GdnDecodeParams& p, int64_t n, int64_t hv) {

@@ -324,7 +324,8 @@ PAIR_CASES = [
     ("state_indices", "state_indices[:, :0]", r"state_indices must have shape \[N, S\] with 1 <= S <= 8"),
     ("num_accepted_tokens", "num_accepted_tokens[:4]", r"num_accepted_tokens"),
     # and the conv's before the step
-    ("conv_weight", "conv_weight[:, :1]", r"weight must be \[dim=1024, width >= 2\]; got shape \(1024, 1\)"),
+    ("conv_weight", "conv_weight[:, :1]",
+     r"weight must be \[dim=1024, width >= 2\], or \[segments, width, dim / segments\].*; got shape \(1024, 1\)"),
     ("conv_state", "conv_state[:, :, :2]", r"conv_state must be \[slots, dim=1024, state_len >= width - 1 = 3\]"),
     ("activation", "'relu'", r"activation must be True, False, None, 'silu' or 'swish'; got 'relu'"),
     ("conv_state_indices", "conv_state_indices[:3]", r"cu_seqlens must be \[N \+ 1 = 4\]; got shape \(6,\)"),
