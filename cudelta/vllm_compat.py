@@ -372,7 +372,8 @@ def _kda_checks(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, st
     for name, t, want in (("x", x, bf16), ("weight", weight, f32), ("conv_state", conv_state, bf16),
                           ("raw_g", raw_g, bf16), ("raw_beta", raw_beta, bf16), ("A_log", A_log, f32),
                           ("dt_bias", dt_bias, f32), ("out", out, bf16), ("state_indices", state_indices, torch.int32)):
-        _require(t.dtype == want, f"{name} must be a {str(want)[6:]} tensor; got {t.dtype}")
+        kind = str(want).removeprefix("torch.")
+        _require(t.dtype == want, f"{name} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind} tensor; got {t.dtype}")
     _require(state.dtype in (f32, bf16), f"state must be a float32 (vLLM's) or bfloat16 tensor; got {state.dtype}")
     tensors = dict(x=x, weight=weight, conv_state=conv_state, raw_g=raw_g, raw_beta=raw_beta, A_log=A_log,
                    dt_bias=dt_bias, state_indices=state_indices, state=state, out=out)

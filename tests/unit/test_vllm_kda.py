@@ -78,7 +78,7 @@ def spoil(**changes):
      "conv_state must use the SD or DS cache layout"),
     (spoil(raw_g=lambda a: a["raw_g"][0]), r"raw_g must have shape \[1, 3, 2, 128\]"),
     (spoil(dt_bias=lambda a: a["dt_bias"][:128]), "dt_bias must be contiguous with 256 elements; got 128"),
-    (spoil(state_indices=lambda a: a["state_indices"].long()), "state_indices must be a int32 tensor; got torch.int64"),
+    (spoil(state_indices=lambda a: a["state_indices"].long()), "state_indices must be an int32 tensor; got torch.int64"),
     (spoil(state=lambda a: a["state"].transpose(2, 3)), "state must have contiguous"),
     (spoil(norm_weight=None), "output_gate and norm_weight must be provided together"),
     (spoil(norm_weight=lambda a: a["norm_weight"].to(torch.bfloat16)), "norm_weight must be a float32 tensor"),
