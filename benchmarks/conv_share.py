@@ -48,7 +48,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -466,23 +465,17 @@ def render_dump(path: Path) -> str:
 
 def run_parent(args) -> int:
     started = time.monotonic()
-    runs, failures = [], []
     with tempfile.TemporaryDirectory(prefix="conv_share-") as tmp:
         so, so_reason = mb.unpack_cuda_op(mb.cuda_op_archive(args.cuda_op), Path(tmp))
-        for p in range(args.procs):
-            out = Path(tmp) / f"proc{p}.json"
-            print(f"conv_share: process {p + 1}/{args.procs}", file=sys.stderr, flush=True)
-            cmd = [sys.executable] + (["-P"] if sys.flags.safe_path else []) + [
+
+        def command(out: Path) -> list[str]:
+            return [sys.executable] + (["-P"] if sys.flags.safe_path else []) + [
                 str(Path(__file__).resolve()), "--worker", str(out), "--cuda-op-so", so, "--cuda-op-reason", so_reason,
                 "--heads", f"{mb.H}/{mb.HV}", "--dram-mib", str(args.dram_mib), "--states", *args.states,
                 "--batches", *map(str, args.batches), "--tokens", *map(str, args.tokens)]
-            done = subprocess.run(cmd)
-            if out.exists():
-                runs.append(json.loads(out.read_text()))
-            if done.returncode != 0:
-                failures.append(f"process {p + 1} exited with {done.returncode}")
+
+        runs, failures = mb.run_processes("conv_share", args.procs, command, Path(tmp))
     if not runs:
-        print("conv_share: no process produced results (" + "; ".join(failures) + ")", file=sys.stderr)
         return 1
     meta = dict(heads=[mb.H, mb.HV], procs=args.procs, seconds=round(time.monotonic() - started),
                 dram_mib=args.dram_mib, states=args.states, batches=args.batches, tokens=args.tokens)

@@ -87,7 +87,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -424,23 +423,8 @@ def run_cell(H: int, B: int, impls: dict, reference, result: dict, separate: boo
 
 
 def load_vllm_kda(so: str, reason: str):
-    """vLLM's op, or the reason it is not there (mtp_bench.load_vllm_cuda's loading)."""
-    import torch
-
-    if not so:
-        return None, reason
-    try:
-        torch.ops.load_library(so)
-    except OSError as exc:
-        if not mb.preload_cudart():  # its libcudart.so.13 is torch's own, found once loaded globally
-            return None, f"cannot load {so}: {mb.short(exc)}"
-        try:
-            torch.ops.load_library(so)
-        except OSError as again:
-            return None, f"cannot load {so}: {mb.short(again)}"
-    if not hasattr(torch.ops._C, "fused_kda_decode"):
-        return None, f"{so} loaded but registers no torch.ops._C.fused_kda_decode"
-    return torch.ops._C.fused_kda_decode, ""
+    """vLLM's op, or the reason it is not there."""
+    return mb.load_vllm_cuda(so, reason, "fused_kda_decode")
 
 
 def load_cudelta():
@@ -548,21 +532,12 @@ def write_out(args, text: str, method: str, merged: report.Merged, runs: list[di
 
 def run_parent(args) -> int:
     started = time.monotonic()
-    runs, failures = [], []
     with tempfile.TemporaryDirectory(prefix="kda_bench-") as tmp:
         so, so_reason = ("", "dry run") if args.device == "cpu" else \
             mb.unpack_cuda_op(mb.cuda_op_archive(args.cuda_op), Path(tmp))
-        for p in range(args.procs):
-            result = Path(tmp) / f"proc{p}.json"
-            print(f"kda_bench: process {p + 1}/{args.procs}", file=sys.stderr, flush=True)
-            done = subprocess.run(worker_command(args, so, so_reason, result))
-            if result.exists():  # a process that died keeps the cells it finished
-                runs.append(json.loads(result.read_text()))
-            if done.returncode != 0:
-                failures.append(f"process {p + 1} exited with {done.returncode}"
-                                f"{'' if result.exists() else ', no results'}")
+        runs, failures = mb.run_processes("kda_bench", args.procs,
+                                          lambda result: worker_command(args, so, so_reason, result), Path(tmp))
     if not runs:
-        print("kda_bench: no process produced results (" + "; ".join(failures) + ")", file=sys.stderr)
         return 1
     merged = report.merge_runs(runs)
     method = method_text(args, len(runs), time.monotonic() - started)

@@ -29,22 +29,16 @@ COLUMNS = ["drop-in", "vLLM op", "conv fp32 w", "conv bf16 w", "step+norm", "ste
 def parts(cell: kb.Cell, vllm_op):
     import torch
     from cudelta import conv, vllm_compat
-    from cudelta._call import DecodeCall
     from cudelta.ops import _decode
 
     H, D = cell.H, kb.D
     conv_out = torch.empty(cell.x.shape, dtype=cell.x.dtype, device=cell.x.device)
     w_bf16 = cell.weight.permute(0, 2, 1).reshape(3 * H * D, kb.WIDTH).to(torch.bfloat16).contiguous()
-    q, k, v = vllm_compat._split_qkv(conv_out, H, H, D, D)
 
     def step(p, idx, epilogue):
-        call = DecodeCall("kda", q, k, v, None, None, p.state, idx, a=cell.raw_g[0], b=cell.raw_beta[0],
-                          A_log=cell.A_log, dt_bias=cell.dt_bias.view(H, D), scale=D ** -0.5, use_qk_l2norm=True,
-                          layout="vk", invalid_slot="nonpositive", out=cell.out[0],
-                          output_gate=cell.z if epilogue else None, norm_weight=cell.norm_weight if epilogue else None,
-                          norm_eps=kb.NORM_EPS if epilogue else None, gate_activation="sigmoid" if epilogue else None,
-                          gate_lower_bound=kb.LOWER_BOUND)
-        _decode(call)
+        _decode(vllm_compat.kda_step_call(H, conv_out, cell.raw_g, cell.raw_beta, cell.A_log, cell.dt_bias, idx,
+                                          p.state, cell.out, kb.LOWER_BOUND, cell.z if epilogue else None,
+                                          cell.norm_weight if epilogue else None, kb.NORM_EPS))
 
     calls = {
         "drop-in": cell.call(vllm_compat.fused_kda_decode),

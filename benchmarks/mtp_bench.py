@@ -186,23 +186,32 @@ def worker_command(args, so: str, so_reason: str, result: Path) -> list[str]:
     return cmd
 
 
+def run_processes(name: str, procs: int, command, tmp: Path) -> tuple[list[dict], list[str]]:
+    """command(result) run in `procs` processes one after another, each writing its numbers to
+    `result` (a .json in tmp): (the results, a line per process that failed). A process that died
+    keeps the cells it finished; none at all is said on stderr."""
+    runs, failures = [], []
+    for p in range(procs):
+        result = tmp / f"proc{p}.json"
+        print(f"{name}: process {p + 1}/{procs}", file=sys.stderr, flush=True)
+        done = subprocess.run(command(result))
+        if result.exists():
+            runs.append(json.loads(result.read_text()))
+        if done.returncode != 0:
+            failures.append(f"process {p + 1} exited with {done.returncode}{'' if result.exists() else ', no results'}")
+    if not runs:
+        print(f"{name}: no process produced results (" + "; ".join(failures) + ")", file=sys.stderr)
+    return runs, failures
+
+
 def run_parent(args) -> int:
     started = time.monotonic()
-    runs, failures = [], []
     with tempfile.TemporaryDirectory(prefix="mtp_bench-") as tmp:
         so, so_reason = ("", "not asked for (--impls)") if report.VLLM_CUDA not in args.impls else \
             unpack_cuda_op(cuda_op_archive(args.cuda_op), Path(tmp))
-        for p in range(args.procs):
-            result = Path(tmp) / f"proc{p}.json"
-            print(f"mtp_bench: process {p + 1}/{args.procs}", file=sys.stderr, flush=True)
-            done = subprocess.run(worker_command(args, so, so_reason, result))
-            if result.exists():  # a process that died keeps the cells it finished
-                runs.append(json.loads(result.read_text()))
-            if done.returncode != 0:
-                failures.append(f"process {p + 1} exited with {done.returncode}"
-                                f"{'' if result.exists() else ', no results'}")
+        runs, failures = run_processes("mtp_bench", args.procs,
+                                       lambda result: worker_command(args, so, so_reason, result), Path(tmp))
     if not runs:
-        print("mtp_bench: no process produced results (" + "; ".join(failures) + ")", file=sys.stderr)
         return 1
     merged = report.merge_runs(runs)
     between = ("calls back to back (a call may overlap the previous one: PDL)" if args.back_to_back else
@@ -235,8 +244,9 @@ def short(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def load_vllm_cuda(so: str, reason: str):
-    """vLLM's op, or the reason it is not there."""
+def load_vllm_cuda(so: str, reason: str, op: str = "fused_gdn_decode_post_conv_mtp"):
+    """torch.ops._C.<op> from vLLM's library (the GDN MTP step unless another is named), or the
+    reason it is not there."""
     import torch
 
     if not so:
@@ -251,9 +261,9 @@ def load_vllm_cuda(so: str, reason: str):
             torch.ops.load_library(so)
         except OSError as again:
             return None, f"cannot load {so}: {short(again)}"
-    if not hasattr(torch.ops._C, "fused_gdn_decode_post_conv_mtp"):
-        return None, f"{so} loaded but registers no torch.ops._C.fused_gdn_decode_post_conv_mtp"
-    return torch.ops._C.fused_gdn_decode_post_conv_mtp, ""
+    if not hasattr(torch.ops._C, op):
+        return None, f"{so} loaded but registers no torch.ops._C.{op}"
+    return getattr(torch.ops._C, op), ""
 
 
 def preload_cudart() -> bool:

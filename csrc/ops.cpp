@@ -606,21 +606,18 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
   };
   const bool one_dtype = conv_state.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type() &&
                         (!bias.has_value() || bias->scalar_type() == x.scalar_type());
-  p.vec = one_dtype && dim % 4 == 0 && conv_state.stride(1) == 1 && run_aligned(x, {x.stride(0)}) &&
-          run_aligned(out, {out.stride(0)}) && run_aligned(conv_state, {conv_state.stride(0), conv_state.stride(2)}) &&
-          (!bias.has_value() || run_aligned(*bias, {})) && !segmented && weight.stride(1) == 1 &&
-          weight.stride(0) == width &&
+  // Both vector builds: 4 channels a thread, each run aligned in x, out, the state's columns and the bias.
+  const bool runs4 = dim % 4 == 0 && conv_state.stride(1) == 1 && run_aligned(x, {x.stride(0)}) &&
+                     run_aligned(out, {out.stride(0)}) &&
+                     run_aligned(conv_state, {conv_state.stride(0), conv_state.stride(2)}) &&
+                     (!bias.has_value() || run_aligned(*bias, {}));
+  p.vec = one_dtype && runs4 && !segmented && weight.stride(1) == 1 && weight.stride(0) == width &&
           reinterpret_cast<uintptr_t>(weight.data_ptr()) % 8 == 0;
-  const bool taps16 = [&] {
-    const auto a16 = [](int64_t elems) { return elems % 4 == 0; };
-    return reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0 && a16(p.w_seg) && a16(p.w_stride_seg) &&
-           a16(p.w_stride_tap) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 == 0);
-  }();
-  p.f32_taps = segmented && width == 4 && p.w_stride_dim == 1 && taps16 && weight.scalar_type() == ScalarType::Float &&
+  // A tap's 4 channels of the fp32 weight one 16-byte vector: whole runs in every segment.
+  p.f32_taps = runs4 && segmented && width == 4 && p.w_stride_dim == 1 && p.w_seg % 4 == 0 &&
+               run_aligned(weight, {p.w_stride_seg, p.w_stride_tap}) && weight.scalar_type() == ScalarType::Float &&
                x.scalar_type() == ScalarType::BFloat16 && conv_state.scalar_type() == ScalarType::BFloat16 &&
-               (!bias.has_value() || bias->scalar_type() == ScalarType::Float) && dim % 4 == 0 &&
-               conv_state.stride(1) == 1 && run_aligned(x, {x.stride(0)}) && run_aligned(out, {out.stride(0)}) &&
-               run_aligned(conv_state, {conv_state.stride(0), conv_state.stride(2)}) &&
+               (!bias.has_value() || bias->scalar_type() == ScalarType::Float) &&
                (!cu_seqlens.has_value() || conv_state.size(2) - 2 <= 2);
   ImageInfo info{};
   select(device, -1, 1, &info);  // names a GPU this build has no image for

@@ -16,6 +16,15 @@ import torch
 KINDS = ("gdn", "kda")
 
 
+def gate_lower_bound_problem(lower_bound) -> Optional[str]:
+    """What is wrong with a gate_lower_bound, or None: it is None (the softplus form) or a finite
+    number < 0."""
+    if lower_bound is None or (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)
+                               and lower_bound < 0):
+        return None
+    return f"gate_lower_bound must be a finite number < 0 (or None); got {lower_bound!r}"
+
+
 @dataclass(frozen=True)
 class DecodeCall:
     """The arguments of cudelta.gdn_decode / kda_decode (their docstrings say what each means)."""
@@ -54,8 +63,9 @@ class DecodeCall:
             if self.kind != "kda" or self.a is None:
                 raise ValueError(f"gate_lower_bound={lb!r} needs kda_decode with the raw gate a (A_log, dt_bias); "
                                  f"got kind {self.kind!r}{'' if self.a is not None else ' without a'}")
-            if not (isinstance(lb, (int, float)) and math.isfinite(lb) and lb < 0):
-                raise ValueError(f"gate_lower_bound must be a finite number < 0 (or None); got {lb!r}")
+            problem = gate_lower_bound_problem(lb)
+            if problem:
+                raise ValueError(problem)
 
     @property
     def per_channel(self) -> bool:

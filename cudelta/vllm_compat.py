@@ -30,15 +30,15 @@ place unless `out` is given. It is correct, but at B <= 32 slower than vLLM's Tr
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from . import _native, conv
-from ._call import DecodeCall
-from .conv_reference import check_conv_call
+from ._call import DecodeCall, gate_lower_bound_problem
+from .conv_reference import causal_conv1d_update_reference, check_conv_call
 from .ops import _decode, gdn_decode
+from .reference import decode_reference
 
 MTP_HEAD_DIM = 128  # the CUDA op's K = V
 MTP_MAX_TOKENS = 8  # state_indices [N, S] with 1 <= S <= 8
@@ -423,9 +423,8 @@ def _kda_checks(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, st
     _require(out.is_contiguous(), f"out must be contiguous; got strides {out.stride()}")
     _require(norm_eps >= 0, f"norm_eps must be non-negative; got {norm_eps}")
     # The step's own rule (cudelta._call.DecodeCall), named before the conv has written anything.
-    _require(lower_bound is None or (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)
-                                     and lower_bound < 0),
-             f"gate_lower_bound must be a finite number < 0 (or None); got {lower_bound!r}")
+    problem = gate_lower_bound_problem(lower_bound)
+    _require(problem is None, problem or "")
     offset = 0 if torch.compiler.is_compiling() else state.data_ptr() % 16
     _require((state.stride(0) * state.element_size()) % 16 == 0 and offset == 0,
              f"state slots must preserve 16-byte alignment; got a slot stride of "
@@ -507,13 +506,23 @@ def _kda_out(x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.empty(1, x.shape[0], heads, KDA_HEAD_DIM, dtype=x.dtype, device=x.device)
 
 
+def kda_step_call(H, conv_out, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out, lower_bound, output_gate,
+                  norm_weight, norm_eps) -> DecodeCall:
+    """fused_kda_decode's step on the conv's outputs conv_out [B, 3*H*128] as one decode call (q, k, v
+    views of its rows); without output_gate, no epilogue. Also benchmarks/kda_parts.py's step alone."""
+    D = KDA_HEAD_DIM
+    q, k, v = _split_qkv(conv_out, H, H, D, D)
+    z = output_gate[0] if output_gate is not None and output_gate.dim() == 4 else output_gate
+    return DecodeCall("kda", q, k, v, None, None, state, state_indices, a=raw_g[0], b=raw_beta[0], A_log=A_log,
+                      dt_bias=dt_bias.view(H, D), scale=D ** -0.5, use_qk_l2norm=True, layout="vk",
+                      invalid_slot="nonpositive", out=out[0], output_gate=z, norm_weight=norm_weight,
+                      norm_eps=norm_eps if z is not None else None, gate_activation="sigmoid" if z is not None else None,
+                      gate_lower_bound=lower_bound)
+
+
 def _kda_step(H, x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
               lower_bound, output_gate, norm_weight, norm_eps, reference: bool) -> torch.Tensor:
     """The conv, then the step, on arguments _kda_checks has passed."""
-    from .conv_reference import causal_conv1d_update_reference
-    from .reference import decode_reference
-
-    D = KDA_HEAD_DIM
     conv_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if reference or _native.kernels_for(x) is None:
         # The reference raises on a slot outside the pool where the kernel skips it: vLLM's padding
@@ -522,13 +531,8 @@ def _kda_step(H, x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, s
         causal_conv1d_update_reference(x, conv_state, weight, bias, "silu", conv_slots, null_block_id=0, out=conv_out)
     else:
         conv.run_checked(x, conv_state, weight, bias, "silu", state_indices, None, None, 0, conv_out)
-    q, k, v = _split_qkv(conv_out, H, H, D, D)
-    z = output_gate[0] if output_gate is not None and output_gate.dim() == 4 else output_gate
-    call = DecodeCall("kda", q, k, v, None, None, state, state_indices, a=raw_g[0], b=raw_beta[0], A_log=A_log,
-                      dt_bias=dt_bias.view(H, D), scale=D ** -0.5, use_qk_l2norm=True, layout="vk",
-                      invalid_slot="nonpositive", out=out[0], output_gate=z, norm_weight=norm_weight,
-                      norm_eps=norm_eps if z is not None else None, gate_activation="sigmoid" if z is not None else None,
-                      gate_lower_bound=lower_bound)
+    call = kda_step_call(H, conv_out, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out, lower_bound,
+                         output_gate, norm_weight, norm_eps)
     if reference:
         decode_reference(call)
     else:

@@ -123,10 +123,10 @@ def vllm_kda_op():
         pytest.skip("vLLM's library was not carried (.peers/cuda_op from benchmarks/fetch_vllm_ops.py)")
     folder = tempfile.mkdtemp(prefix="vllm-op-")
     so, why = mtp_bench.unpack_cuda_op(archive, Path(folder))
-    _, why = mtp_bench.load_vllm_cuda(so, why)
-    if why or not hasattr(torch.ops._C, "fused_kda_decode"):
+    op, why = mtp_bench.load_vllm_cuda(so, why, "fused_kda_decode")
+    if op is None:
         pytest.fail(f"vLLM's library was carried but its fused_kda_decode does not load: {why}")
-    return torch.ops._C.fused_kda_decode
+    return op
 
 
 @pytest.mark.parametrize("B, H, layout, lower_bound", [(1, 12, "SD", -5.0), (33, 24, "DS", -5.0), (8, 48, "SD", None),
