@@ -104,6 +104,77 @@ def test_the_drop_in_matches_its_reference_on_vllm_s_pages(B, H, layout, lower_b
     assert torch.equal(got_pages[:, conv_bytes + block:], before[:, conv_bytes + block:])
 
 
+def two_launches(**a):
+    """The layer step as two launches: cudelta's conv kernel, then the step on its outputs (what the
+    drop-in ran before its conv was fused, and still runs where no kernel fuses it)."""
+    from cudelta import conv
+    from cudelta.ops import _decode
+
+    B, H = a["x"].shape[0], a["x"].shape[1] // (3 * kc.D)
+    out = torch.empty(1, B, H, kc.D, dtype=torch.bfloat16, device="cuda")
+    conv_out = torch.empty_like(a["x"])
+    conv.run_checked(a["x"], a["conv_state"], a["weight"], a["bias"], "silu", a["state_indices"], None, None, 0,
+                     conv_out)
+    call = vllm_compat.kda_step_call(H, conv_out, a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
+                                     a["state_indices"], a["state"], out, a["lower_bound"], a["output_gate"],
+                                     a["norm_weight"], a["norm_eps"])
+    _decode(call, early_state=True)
+    return out
+
+
+# (B, H): (request, head) pairs from a few to 48 an SM of an H200 or H100 (132 SMs), so that each
+# build of the fused kernel's rule runs (fp32: to a pair an SM, beyond; bf16: to 2, 8, 32 an SM, beyond).
+FUSED_SHAPES = [(1, 12), (8, 12), (32, 12), (64, 12), (256, 12), (512, 12), (7, 96)]
+
+
+@pytest.mark.parametrize("B, H", FUSED_SHAPES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_conv_computes_what_two_launches_compute(B, H, state_dtype):
+    slots = B + 3
+    idx = torch.randperm(slots - 1, generator=torch.Generator().manual_seed(B + H))[:B].to(torch.int32) + 1
+    if B > 2:
+        idx[0], idx[-1] = 0, -1  # skipped by the step and the conv alike
+    args, pages = kc.kimi_call(B, H, slots, seed=B * 3 + H, state_dtype=state_dtype, device="cuda", idx=idx,
+                               bias=B % 2 == 0)
+    out, two, got_pages, two_pages = run_pair(args, pages, vllm_compat.fused_kda_decode, two_launches)
+    # The same step build where the unfused rule also takes the block kernel (mtp_one.cuh,
+    # launch_vk_one): bit for bit. Elsewhere the unfused step is another build (clusters, or the
+    # one-warp grid with its epilogue apart), whose sums run in another order.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pairs = B * H
+    if state_dtype == torch.float32:
+        same_build = sms // 2 <= pairs <= 16 * sms
+    else:
+        same_build = pairs > sms // 2
+    if same_build:
+        assert torch.equal(out, two)
+        assert torch.equal(got_pages, two_pages)
+    else:
+        assert_out(out, two)
+        mine, other = args, twin(args, pages, two_pages)
+        close(mine["state"], other["state"], TOL_STATE)
+        assert torch.equal(mine["conv_state"], other["conv_state"])
+    if B > 2:
+        assert torch.equal(out[0, [0, B - 1]], torch.zeros_like(out[0, [0, B - 1]]))
+
+
+@pytest.mark.parametrize("layout, launches", [("SD", 1), ("DS", 2)])
+def test_the_drop_in_is_one_launch_on_sd_pages(layout, launches):
+    # SD: the conv fused into the step (mtp_one.cuh, CONV); DS pages: the conv kernel, then the step.
+    from torch.profiler import ProfilerActivity, profile
+
+    args, _ = kc.kimi_call(16, 12, 20, seed=5, layout=layout, device="cuda")
+    vllm_compat.fused_kda_decode(**args)  # loaded, warmed
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        vllm_compat.fused_kda_decode(**args)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "Memset" not in e.name and "Memcpy" not in e.name]
+    assert len(kernels) == launches, kernels
+    assert any("decode_vk_one_kernel" in name for name in kernels), kernels
+
+
 def test_the_drop_in_matches_the_float64_model():
     idx = torch.tensor([3, 0, 1], dtype=torch.int32)
     args, _ = kc.kimi_call(3, 2, 5, seed=11, device="cuda", idx=idx)
