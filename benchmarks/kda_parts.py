@@ -6,12 +6,11 @@ parts here run the same kernels on the same tensors and are not checked again.
 
     python -P benchmarks/kda_parts.py [--heads 12 48] [--batches 1 8 32 128 512]   # GPU machine
 
-Columns (µs): the whole drop-in (one launch where its kernels fuse the conv into the step); vLLM's
-op; the drop-in's two launches (the conv kernel, then the step, which loads its state under the
-conv: what the drop-in runs where no kernel fuses them); cudelta's conv alone (fp32 weight [3, 4,
-H*128] as vLLM keeps it: the conv's fp32-taps build, four channels a thread) and with the weight in
-bf16 [dim, 4] (its vector build); the step alone with the epilogue (the conv's outputs already
-there) and without it (one token, the warp kernels).
+Columns (µs): the whole drop-in; vLLM's op; cudelta's conv alone (fp32 weight [3, 4, H*128] as vLLM
+keeps it: the kernel's scalar path, a channel a thread) and with the weight in bf16 [dim, 4] (its
+vector path, four channels a thread: what the conv would cost were it not for the fp32 taps); the
+step alone with the epilogue (the conv's outputs already there) and without it (one token, the
+warp kernels).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kda_bench as kb  # noqa: E402
 import mtp_bench as mb  # noqa: E402
 
-COLUMNS = ["drop-in", "vLLM op", "two launches", "conv fp32 w", "conv bf16 w", "step+norm", "step"]
+COLUMNS = ["drop-in", "vLLM op", "conv fp32 w", "conv bf16 w", "step+norm", "step"]
 
 
 def parts(cell: kb.Cell, vllm_op):
@@ -36,19 +35,13 @@ def parts(cell: kb.Cell, vllm_op):
     conv_out = torch.empty(cell.x.shape, dtype=cell.x.dtype, device=cell.x.device)
     w_bf16 = cell.weight.permute(0, 2, 1).reshape(3 * H * D, kb.WIDTH).to(torch.bfloat16).contiguous()
 
-    def step(p, idx, epilogue, early_state=False):
+    def step(p, idx, epilogue):
         _decode(vllm_compat.kda_step_call(H, conv_out, cell.raw_g, cell.raw_beta, cell.A_log, cell.dt_bias, idx,
                                           p.state, cell.out, kb.LOWER_BOUND, cell.z if epilogue else None,
-                                          cell.norm_weight if epilogue else None, kb.NORM_EPS),
-                early_state=early_state)
-
-    def two_launches(p, idx):
-        conv.run_checked(cell.x, p.conv, cell.weight, None, "silu", idx, None, None, 0, conv_out)
-        step(p, idx, True, early_state=True)
+                                          cell.norm_weight if epilogue else None, kb.NORM_EPS))
 
     calls = {
         "drop-in": cell.call(vllm_compat.fused_kda_decode),
-        "two launches": two_launches,
         "conv fp32 w": lambda p, idx: conv.run_checked(cell.x, p.conv, cell.weight, None, "silu", idx, None, None, 0,
                                                        conv_out),
         "conv bf16 w": lambda p, idx: conv.run_checked(cell.x, p.conv, w_bf16, None, "silu", idx, None, None, 0,

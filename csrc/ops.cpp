@@ -254,8 +254,8 @@ void check_index(const char* op, const Tensor& t, const char* name, const std::v
                 dtype_name(t.scalar_type()), " ", shape_of(t));
 }
 
-// The step's params from checked arguments, and the variant it runs (select).
-GdnDecodeParams decode_params(const DecodeArgs& x, Variant& chosen, const char* op = "cudelta.decode") {
+void decode(const DecodeArgs& x) {
+  const char* op = "cudelta.decode";
   const Tensor &q = x.q, &k = x.k, &v = x.v, &state = x.state, &idx = x.idx, &out = x.out;
   CUDELTA_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor");
   const int device = q.get_device_index();
@@ -403,7 +403,7 @@ GdnDecodeParams decode_params(const DecodeArgs& x, Variant& chosen, const char* 
   }
 
   ImageInfo info{};
-  chosen = select(device, x.variant, N * HV, &info, vk);
+  const Variant chosen = select(device, x.variant, N * HV, &info, vk);
 
   GdnDecodeParams p{};
   p.q = q.data_ptr();
@@ -479,21 +479,12 @@ GdnDecodeParams decode_params(const DecodeArgs& x, Variant& chosen, const char* 
     p.norm_weight_dtype = float_dtype(op, "norm_weight", x.norm_weight->scalar_type());
     p.norm_eps = static_cast<float>(x.norm_eps);
   }
-  return p;
-}
 
-void launch_step(const char* op, const GdnDecodeParams& p, Variant chosen) {
-  torch::stable::accelerator::DeviceGuard guard(p.device);
+  torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(p.device, &stream));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
   const int err = launch_gdn_decode(p, chosen, stream);
   CUDELTA_CHECK(err == 0, op, ": kernel launch failed: ", cuda_error_string(err));
-}
-
-void decode(const DecodeArgs& x) {
-  Variant chosen{};
-  const GdnDecodeParams p = decode_params(x, chosen);
-  launch_step("cudelta.decode", p, chosen);
 }
 
 // The registered op: its arguments gathered into one DecodeArgs, in the schema's order.
@@ -512,10 +503,10 @@ void decode_op(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optio
 // cudelta::conv_update: the causal-conv1d update before the step (ConvUpdateParams, launch.h).
 // Shapes, dtypes and strides are checked here; the per-request data (slots, spans, accepted counts)
 // on the device, where a request the pool cannot hold is skipped (cudelta/conv_reference.py raises).
-ConvUpdateParams conv_params(const char* op, const Tensor& x, const Tensor& conv_state, const Tensor& weight,
-                             const std::optional<Tensor>& bias, const Tensor& indices,
-                             const std::optional<Tensor>& cu_seqlens, const std::optional<Tensor>& num_accepted_tokens,
-                             const Tensor& out, int64_t null_block_id, bool silu, bool pdl) {
+void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Tensor> bias, Tensor indices,
+                    std::optional<Tensor> cu_seqlens, std::optional<Tensor> num_accepted_tokens, Tensor out,
+                    int64_t null_block_id, bool silu, bool pdl) {
+  const char* op = "cudelta.conv_update";
   CUDELTA_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor");
   const int device = x.get_device_index();
   for (auto [t, name] : {std::pair<const Tensor&, const char*>{conv_state, "conv_state"}, {weight, "weight"},
@@ -631,95 +622,12 @@ ConvUpdateParams conv_params(const char* op, const Tensor& x, const Tensor& conv
   ImageInfo info{};
   select(device, -1, 1, &info);  // names a GPU this build has no image for
   p.pdl = pdl && info.cuda_arch >= 900;
-  return p;
-}
 
-void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Tensor> bias, Tensor indices,
-                    std::optional<Tensor> cu_seqlens, std::optional<Tensor> num_accepted_tokens, Tensor out,
-                    int64_t null_block_id, bool silu, bool pdl) {
-  const char* op = "cudelta.conv_update";
-  const ConvUpdateParams p = conv_params(op, x, conv_state, weight, bias, indices, cu_seqlens, num_accepted_tokens,
-                                         out, null_block_id, silu, pdl);
-  const int device = x.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
   const int err = launch_conv_update(p, stream);
   CUDELTA_CHECK(err == 0, op, ": kernel launch failed: ", cuda_error_string(err));
-}
-
-// A view of t's storage: sizes and strides in elements, offset from t's first element.
-Tensor view_of(const Tensor& t, std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t offset) {
-  int64_t base = 0;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_storage_offset(t.get(), &base));
-  AtenTensorHandle h = nullptr;
-  TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(),
-                                                        strides.data(), base + offset, &h));
-  return Tensor(h);
-}
-
-// cudelta::conv_decode: the conv update into conv_out [N, 2*H*K + HV*V], then the step on its
-// q [N, H, K], k and v [N, HV, V] (conv_out's columns in that order), one launch where the kernels
-// allow (GdnDecodeParams::fused_conv), two otherwise. Both calls' arguments are checked before
-// anything runs, and what either writes shares no byte with what the other reads.
-void conv_decode_op(Tensor x, Tensor conv_state, Tensor conv_weight, std::optional<Tensor> conv_bias,
-                    Tensor conv_state_indices, int64_t null_block_id, Tensor conv_out, int64_t qk_heads,
-                    std::optional<Tensor> g, std::optional<Tensor> beta, std::optional<Tensor> a,
-                    std::optional<Tensor> b, std::optional<Tensor> A_log, std::optional<Tensor> dt_bias, Tensor state,
-                    Tensor idx, Tensor out, std::optional<Tensor> output_gate, std::optional<Tensor> norm_weight,
-                    double scale, double norm_eps, bool per_channel, bool use_qk_l2norm, int64_t layout,
-                    int64_t min_slot, int64_t gate_activation, int64_t variant, bool pdl, double gate_lower_bound) {
-  const char* op = "cudelta.conv_decode";
-  const ConvUpdateParams cp = conv_params(op, x, conv_state, conv_weight, conv_bias, conv_state_indices, std::nullopt,
-                                          std::nullopt, conv_out, null_block_id, true, pdl);
-  CUDELTA_CHECK(state.dim() == 4, op, ": state must be [P, HV, V, K] or [P, HV, K, V], got ", shape_of(state));
-  const int64_t rows = conv_out.size(0), dim = conv_out.size(1), H = qk_heads, HV = state.size(1);
-  const int64_t K = layout == 1 ? state.size(3) : state.size(2), V = layout == 1 ? state.size(2) : state.size(3);
-  CUDELTA_CHECK(H >= 1 && HV >= 1 && K >= 1 && V >= 1 && dim == 2 * H * K + HV * V, op, ": conv_out's ", dim,
-                " channels are not q, k and v of ", H, " q/k heads of K=", K, " and the state's ", HV,
-                " value heads of V=", V, " (2*H*K + HV*V)");
-  const int64_t row = conv_out.stride(0);
-  DecodeArgs args{view_of(conv_out, {rows, H, K}, {row, K, 1}, 0),
-                  view_of(conv_out, {rows, H, K}, {row, K, 1}, H * K),
-                  view_of(conv_out, {rows, HV, V}, {row, V, 1}, 2 * H * K),
-                  g, beta, a, b, A_log, dt_bias, state, idx, out, std::nullopt, std::nullopt, output_gate, norm_weight,
-                  scale, norm_eps, per_channel, use_qk_l2norm, layout, min_slot, 1, gate_activation, variant, pdl,
-                  false, gate_lower_bound};
-  Variant chosen{};
-  GdnDecodeParams p = decode_params(args, chosen, op);
-  // The step's writes (out, the pool) and the conv's reads; the conv's writes and the step's reads
-  // of q, k and v are conv_out's own (decode_params compares them with out and the pool).
-  const char* accepted = "; accepted: buffers that share no byte with each other";
-  const int64_t slot_stride = p.state_stride_p;
-  const Span out_span = span_of(out), cs_span = span_of(conv_state);
-  auto opt = [](const std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; };
-  const std::pair<const Tensor*, const char*> conv_reads[] = {
-      {&x, "x"}, {&conv_state, "conv_state"}, {&conv_weight, "conv_weight"}, {opt(conv_bias), "conv_bias"},
-      {&conv_state_indices, "conv_state_indices"}};
-  for (auto [t, name] : conv_reads) {
-    if (t == nullptr) continue;
-    const Span sp = span_of(*t);
-    CUDELTA_CHECK(!overlaps(sp, out_span), op, ": out shares memory with ", name, accepted);
-    // vLLM's pages hold a slot's conv state beside its recurrent state: the conv state's span meets
-    // the pool's slots by design, and the kernels write only their own parts of a page.
-    if (t != &conv_state)
-      CUDELTA_CHECK(!meets_slots(state, slot_stride, sp), op, ": ", name, " shares memory with the state pool's slots",
-                    accepted);
-  }
-  const std::pair<const Tensor*, const char*> step_reads[] = {
-      {&idx, "idx"}, {opt(output_gate), "output_gate"}, {opt(norm_weight), "norm_weight"}, {opt(g), "g"},
-      {opt(beta), "beta"}, {opt(a), "a"}, {opt(b), "b"}, {opt(A_log), "A_log"}, {opt(dt_bias), "dt_bias"}};
-  const Span conv_out_span = span_of(conv_out);
-  for (auto [t, name] : step_reads) {
-    if (t == nullptr) continue;
-    const Span sp = span_of(*t);
-    CUDELTA_CHECK(!overlaps(sp, cs_span) && !overlaps(sp, conv_out_span), op, ": ", name,
-                  " shares memory with conv_state or conv_out", accepted);
-  }
-  p.fused_conv = true;
-  p.conv = cp;
-  p.conv.pdl = p.pdl;
-  launch_step(op, p, chosen);
 }
 
 int64_t select_variant(int64_t device, int64_t requested, int64_t heads) {
@@ -775,15 +683,6 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
   m.def(
       "conv_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor conv_state_indices, "
       "Tensor? cu_seqlens, Tensor? num_accepted_tokens, Tensor(b!) out, int null_block_id, bool silu, bool pdl) -> ()");
-  // The conv update (width 4 at most, silu, one token a row) into conv_out, then the step on its q,
-  // k and v (conv_out's columns [H*K | HV*K | HV*V], H = qk_heads): one launch where a kernel fuses
-  // them (GdnDecodeParams::fused_conv), else the two in order. The step's arguments are decode's.
-  m.def(
-      "conv_decode(Tensor x, Tensor(a!) conv_state, Tensor conv_weight, Tensor? conv_bias, "
-      "Tensor conv_state_indices, int null_block_id, Tensor(b!) conv_out, int qk_heads, Tensor? g, Tensor? beta, "
-      "Tensor? a, Tensor? b, Tensor? A_log, Tensor? dt_bias, Tensor(c!) state, Tensor idx, Tensor(d!) out, "
-      "Tensor? output_gate, Tensor? norm_weight, float scale, float norm_eps, bool per_channel, bool use_qk_l2norm, "
-      "int layout, int min_slot, int gate_activation, int variant, bool pdl, float gate_lower_bound) -> ()");
   m.def("select_variant(int device, int requested, int heads) -> int");
   m.def("probe(int device) -> int[]");
   m.def("build_info() -> str");
@@ -793,7 +692,6 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
 STABLE_TORCH_LIBRARY_IMPL(cudelta, CUDA, m) {
   m.impl("decode", TORCH_BOX(&cudelta::decode_op));
   m.impl("conv_update", TORCH_BOX(&cudelta::conv_update_op));
-  m.impl("conv_decode", TORCH_BOX(&cudelta::conv_decode_op));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cudelta, CompositeExplicitAutograd, m) {

@@ -262,10 +262,6 @@ def _register_fake() -> None:
     def _(*args):
         return None
 
-    @torch.library.register_fake("cudelta::conv_decode")
-    def _(*args):
-        return None
-
 
 def requested_pdl(environ: Mapping[str, str]) -> bool:
     """CUDELTA_PDL: 1 (default) or 0, to time the kernels without programmatic dependent launch."""

@@ -9,7 +9,6 @@ add one rule on CUDA, check_kernel_pool).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -37,51 +36,26 @@ def _rows(x: Optional[torch.Tensor], lead: int) -> Optional[torch.Tensor]:
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) if lead == 2 else x
 
 
-@dataclass(frozen=True)
-class ConvFirst:
-    """The causal-conv1d update (SiLU, one token a row) whose outputs `out` [N, 2*H*K + HV*V] are
-    the step's q, k and v, in that column order (the call's q, k and v are views of it): the step
-    and the conv as one op (torch.ops.cudelta.conv_decode), one launch where a kernel fuses them.
-    Arguments as cudelta.conv_reference.causal_conv1d_update_reference's, checked by the caller."""
-    x: torch.Tensor
-    conv_state: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-    indices: torch.Tensor
-    out: torch.Tensor
-    null_block_id: int = 0
-
-
 def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Optional[bool] = None,
-               early_state: bool = False, conv: Optional[ConvFirst] = None) -> None:
+               early_state: bool = False) -> None:
     """The CUDA op on one call, writing `out` (v's shape and dtype) and the pool in place: the one place
     where a call's value becomes the op's arguments. `variant` -1 is auto; `pdl` None takes
     CUDELTA_PDL as read at load. Dense [N, T, ...] tokens travel as rows of tokens with T given.
     early_state: only right after cudelta's conv update of the same step (kernels/launch.h,
-    GdnDecodeParams::early_state), when the state's loads may start before the conv ends. conv: the
-    conv update first, in the same op (one token a row)."""
+    GdnDecodeParams::early_state), when the state's loads may start before the conv ends."""
     lead = 2 if call.q.dim() == 4 else 1
     T = call.q.shape[1] if lead == 2 else 1
     rows = out.view(-1, *out.shape[lead:]) if lead == 2 else out
     epilogue = call.output_gate is not None
-    pdl = _native.status().pdl if pdl is None else pdl
-    lower_bound = 0.0 if call.gate_lower_bound is None else float(call.gate_lower_bound)
-    if conv is not None:
-        torch.ops.cudelta.conv_decode(
-            conv.x, conv.conv_state, conv.weight, conv.bias, conv.indices, int(conv.null_block_id), conv.out,
-            call.q.shape[-2], call.g, call.beta, call.a, call.b, call.A_log, call.dt_bias, call.state, call.idx, rows,
-            call.output_gate, call.norm_weight, call.resolved_scale,
-            DEFAULT_NORM_EPS if call.norm_eps is None else float(call.norm_eps), call.per_channel, call.use_qk_l2norm,
-            LAYOUTS.index(call.layout), min_valid_slot(call.invalid_slot),
-            _ACTIVATIONS[call.gate_activation] if epilogue else 0, variant, pdl, lower_bound)
-        return
     torch.ops.cudelta.decode(
         _rows(call.q, lead), _rows(call.k, lead), _rows(call.v, lead), _rows(call.g, lead), _rows(call.beta, lead),
         _rows(call.a, lead), _rows(call.b, lead), call.A_log, call.dt_bias, call.state, call.idx, rows,
         call.cu_seqlens, call.num_accepted_tokens, _rows(call.output_gate, lead), call.norm_weight,
         call.resolved_scale, DEFAULT_NORM_EPS if call.norm_eps is None else float(call.norm_eps), call.per_channel,
         call.use_qk_l2norm, LAYOUTS.index(call.layout), min_valid_slot(call.invalid_slot), T,
-        _ACTIVATIONS[call.gate_activation] if epilogue else 0, variant, pdl, early_state, lower_bound)
+        _ACTIVATIONS[call.gate_activation] if epilogue else 0, variant,
+        _native.status().pdl if pdl is None else pdl, early_state,
+        0.0 if call.gate_lower_bound is None else float(call.gate_lower_bound))
 
 
 def _check(call: DecodeCall, overlap: bool = True) -> None:
@@ -89,9 +63,7 @@ def _check(call: DecodeCall, overlap: bool = True) -> None:
     check_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b, call.A_log, call.dt_bias)
 
 
-def _decode(call: DecodeCall, early_state: bool = False, conv: Optional[ConvFirst] = None) -> torch.Tensor:
-    """The call on the kernel where it can run (conv: the conv update before it, in the same op; the
-    callers with conv run only where the kernels can), else on the reference."""
+def _decode(call: DecodeCall, early_state: bool = False) -> torch.Tensor:
     q = call.q
     st = _native.kernels_for(q)
     if st is None:
@@ -113,16 +85,16 @@ def _decode(call: DecodeCall, early_state: bool = False, conv: Optional[ConvFirs
         if not compiling:
             check_call_overlap(call)
         scratch = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        run_kernel(call, scratch, st.variant, early_state=early_state, conv=conv)
+        run_kernel(call, scratch, st.variant, early_state=early_state)
         return out.copy_(scratch)
     if compiling:  # the op names a pool it cannot address aligned, in check_kernel_pool's words
-        run_kernel(call, out, st.variant, early_state=early_state, conv=conv)
+        run_kernel(call, out, st.variant, early_state=early_state)
         return out
     # Eager: the op checks every argument before it launches anything (nothing is written when it
     # refuses), so the Python checks, 4 us a call, run only to name a refused argument the way the
     # reference path does, or a pool whose slots the kernels cannot address aligned.
     try:
-        run_kernel(call, out, st.variant, early_state=early_state, conv=conv)
+        run_kernel(call, out, st.variant, early_state=early_state)
     except RuntimeError:
         _check(call)
         check_kernel_pool(call.state)

@@ -37,7 +37,7 @@ import torch
 from . import _native, conv
 from ._call import DecodeCall, gate_lower_bound_problem
 from .conv_reference import causal_conv1d_update_reference, check_conv_call
-from .ops import ConvFirst, _decode, gdn_decode
+from .ops import _decode, gdn_decode
 from .reference import decode_reference
 
 MTP_HEAD_DIM = 128  # the CUDA op's K = V
@@ -460,12 +460,11 @@ def fused_kda_decode(
     nothing written). With output_gate [B, H, 128] bf16 and norm_weight [128] fp32, the output
     (rounded to bf16) goes through the gated RMSNorm with a sigmoid gate. Returns out [1, B, H, 128].
 
-    One launch, as vLLM's op, on vLLM's SD conv pages (torch.ops.cudelta.conv_decode; kernels/
-    mtp_one.cuh): each block of a (request, head) convolves the head's q, k and v channels into a
-    scratch buffer while its state loads are in flight, then reads them back for the step. Elsewhere
-    (DS pages) two: the conv kernel, then the step, which starts its state loads while the conv runs.
-    Either way the conv outputs are rounded to bf16 before the step, where vLLM's op may keep them in
-    fp32 (a bf16 ulp of q, k, v: benchmarks/results-h200-kda.md)."""
+    Two launches where vLLM's op is one: cudelta's conv kernel into a scratch buffer (on vLLM's SD
+    pages its build for this fp32 tap-major weight, four channels a thread), then the step, which
+    starts its state loads while the conv runs (early_state, as conv_then_gdn_decode_post_conv_mtp);
+    the conv outputs are rounded to bf16 between them, where vLLM's op may keep them in fp32 (a bf16
+    ulp of q, k, v: benchmarks/results-h200-kda.md)."""
     out = _kda_out(x, out)
     H = _kda_checks(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
                     lower_bound, output_gate, norm_weight, norm_eps)
@@ -525,14 +524,17 @@ def _kda_step(H, x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, s
               lower_bound, output_gate, norm_weight, norm_eps, reference: bool) -> torch.Tensor:
     """The conv, then the step, on arguments _kda_checks has passed."""
     conv_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    call = kda_step_call(H, conv_out, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out, lower_bound,
-                         output_gate, norm_weight, norm_eps)
     if reference or _native.kernels_for(x) is None:
         # The reference raises on a slot outside the pool where the kernel skips it: vLLM's padding
         # slot (-1) is skipped like its null block.
         conv_slots = state_indices.clamp(min=0)
         causal_conv1d_update_reference(x, conv_state, weight, bias, "silu", conv_slots, null_block_id=0, out=conv_out)
+    else:
+        conv.run_checked(x, conv_state, weight, bias, "silu", state_indices, None, None, 0, conv_out)
+    call = kda_step_call(H, conv_out, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out, lower_bound,
+                         output_gate, norm_weight, norm_eps)
+    if reference:
         decode_reference(call)
     else:
-        _decode(call, conv=ConvFirst(x, conv_state, weight, bias, state_indices, conv_out))
+        _decode(call, early_state=True)
     return out

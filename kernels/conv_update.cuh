@@ -174,69 +174,6 @@ struct ConvAccessF32Taps : ConvAccess<T> {
   }
 };
 
-// ConvAccessF32Taps with two channels a thread (bf16 pairs, fp32 tap pairs): the step's fused conv
-// in blocks of six warps or more, where four channels a thread cost the step's registers (ptxas
-// spilled 20 bytes a thread in the fp32 two-tile build at its 128-register bound).
-struct ConvAccessF32TapPairs {
-  static constexpr int C = 2;
-  using Raw = uint32_t;
-  template <int W>
-  struct Weights {
-    float2 r[W];
-    float2 rb;
-  };
-  template <int W>
-  static __device__ __forceinline__ Weights<W> load_weights(const ConvUpdateParams& p, int64_t c) {
-    Weights<W> raw;
-    const float* src = static_cast<const float*>(p.weight) + (c / p.w_seg) * p.w_stride_seg + (c % p.w_seg);
-#pragma unroll
-    for (int j = 0; j < W; ++j) raw.r[j] = *reinterpret_cast<const float2*>(src + j * p.w_stride_tap);
-    raw.rb = make_float2(0.f, 0.f);
-    if (p.bias) raw.rb = *reinterpret_cast<const float2*>(static_cast<const float*>(p.bias) + c);
-    return raw;
-  }
-  template <int W>
-  static __device__ __forceinline__ void widen_weights(const ConvUpdateParams& p, const Weights<W>& raw,
-                                                       float (&w)[C][W], float (&b)[C]) {
-#pragma unroll
-    for (int j = 0; j < W; ++j) {
-      w[0][j] = raw.r[j].x;
-      w[1][j] = raw.r[j].y;
-    }
-    if (p.bias) {
-      b[0] = raw.rb.x;
-      b[1] = raw.rb.y;
-    }
-  }
-  static __device__ __forceinline__ Raw load_pair(const void* p, int64_t at) {
-    return *reinterpret_cast<const uint32_t*>(static_cast<const __nv_bfloat16*>(p) + at);
-  }
-  static __device__ __forceinline__ void store_pair(void* p, int64_t at, const float* x) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(x[0], x[1]);
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p) + at) = v;
-  }
-  static __device__ __forceinline__ Raw load_x(const ConvUpdateParams& p, int64_t row, int64_t c) {
-    return load_pair(p.x, row * p.x_stride_row + c);
-  }
-  static __device__ __forceinline__ Raw load_state(const ConvUpdateParams& p, const void* col0, int64_t col) {
-    return load_pair(col0, col * p.cs_col);
-  }
-  static __device__ __forceinline__ void widen(const ConvUpdateParams&, const Raw& r, DType, float* x) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
-    x[0] = f.x;
-    x[1] = f.y;
-  }
-  static __device__ __forceinline__ float to_state(const ConvUpdateParams&, float x) {
-    return __bfloat162float(__float2bfloat16_rn(x));
-  }
-  static __device__ __forceinline__ void store_out(const ConvUpdateParams& p, int64_t row, int64_t c, const float* y) {
-    store_pair(p.out, row * p.out_stride_row + c, y);
-  }
-  static __device__ __forceinline__ void store_state(const ConvUpdateParams& p, void* col0, int64_t col, const float* v) {
-    store_pair(col0, col * p.cs_col, v);
-  }
-};
-
 template <>
 struct ConvAccess<void> {
   static constexpr int C = 1;
@@ -303,65 +240,6 @@ __device__ __forceinline__ Request load_request(const ConvUpdateParams& p, int64
 // like a null slot: the reference raises for it, which a kernel cannot without a host sync, and
 // nothing is half-written.
 template <int W, typename A, int TB>
-__device__ __forceinline__ void conv_request(const ConvUpdateParams& p, int64_t c, const Request& r,
-                                             const float (&w)[A::C][W], const float (&b)[A::C]) {
-  constexpr int C = A::C;
-  const int64_t slot = r.slot, bos = r.bos, eos = r.eos, off = r.off;
-  const int64_t tokens = eos - bos;
-  if (slot == p.null_block_id || slot < 0 || slot >= p.slots || tokens <= 0 || bos < 0 || eos > p.L || off < 0 ||
-      off + W - 1 > p.state_len || W - 2 + tokens > p.state_len)
-    return;
-  const int64_t es = p.state_dtype == DType::kFloat32 ? 4 : 2;
-  void* const col0 = static_cast<char*>(p.conv_state) + (slot * p.cs_slot + c * p.cs_dim) * es;  // column 0
-  float win[W - 1 + TB][C];  // the window, then a batch of tokens
-  for (int64_t t0 = 0; t0 < tokens; t0 += TB) {
-    const int batch = static_cast<int>(tokens - t0 < TB ? tokens - t0 : TB);
-    typename A::Raw xr[TB], sr[W - 1];
-#pragma unroll
-    for (int t = 0; t < TB; ++t)
-      if (t < batch) xr[t] = A::load_x(p, bos + t0 + t, c);
-    if (t0 == 0) {
-#pragma unroll
-      for (int j = 0; j < W - 1; ++j) sr[j] = A::load_state(p, col0, off + j);
-#pragma unroll
-      for (int j = 0; j < W - 1; ++j) A::widen(p, sr[j], p.state_dtype, win[j]);
-      // The window's last W - 2 columns move to the front: the state after the request is the
-      // sequence (window, tokens) without its first column.
-#pragma unroll
-      for (int j = 1; j < W - 1; ++j) A::store_state(p, col0, j - 1, win[j]);
-    }
-#pragma unroll
-    for (int t = 0; t < TB; ++t) {
-      if (t >= batch) break;
-      A::widen(p, xr[t], p.x_dtype, win[W - 1 + t]);
-      float y[C];
-#pragma unroll
-      for (int m = 0; m < C; ++m) {
-        const float xt = A::to_state(p, win[W - 1 + t][m]);  // x as the state's dtype, as vLLM converts it
-        win[W - 1 + t][m] = xt;
-        // Products summed in tap order, then the bias: the reference's order, without contraction.
-        float s = __fmul_rn(w[m][0], win[t][m]);
-#pragma unroll
-        for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[m][j], win[t + j][m]));
-        s = __fadd_rn(b[m], s);
-        // SiLU with the fast exp and division (a few fp32 ulps, under the output's rounding): the
-        // precise ones were most of a token's latency chain where few warps share an SM.
-        if (p.silu) s = __fdividef(s, 1.f + __expf(-s));
-        y[m] = A::to_state(p, s);
-      }
-      A::store_out(p, bos + t0 + t, c, y);
-      A::store_state(p, col0, W - 2 + t0 + t, win[W - 1 + t]);
-    }
-    // A full batch's last W - 1 values open the next batch's window (only a full batch has a next).
-#pragma unroll
-    for (int j = 0; j < W - 1; ++j)
-#pragma unroll
-      for (int m = 0; m < C; ++m) win[j][m] = win[TB + j][m];
-  }
-}
-
-// The grid's update: a thread C channels, blocks along y the requests.
-template <int W, typename A, int TB>
 __device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
   constexpr int C = A::C;
   pdl_enter();
@@ -375,29 +253,62 @@ __device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
   Request r = load_request(p, blockIdx.y);
   float w[C][W], b[C] = {};
   A::template widen_weights<W>(p, raw, w, b);
+  char* const cs = static_cast<char*>(p.conv_state);
+  const int64_t es = p.state_dtype == DType::kFloat32 ? 4 : 2;
   for (int64_t n = blockIdx.y; n < p.N; n += gridDim.y) {
     if (n != blockIdx.y) r = load_request(p, n);
-    conv_request<W, A, TB>(p, c, r, w, b);
+    const int64_t slot = r.slot, bos = r.bos, eos = r.eos, off = r.off;
+    const int64_t tokens = eos - bos;
+    if (slot == p.null_block_id || slot < 0 || slot >= p.slots || tokens <= 0 || bos < 0 || eos > p.L || off < 0 ||
+        off + W - 1 > p.state_len || W - 2 + tokens > p.state_len)
+      continue;
+    void* const col0 = cs + (slot * p.cs_slot + c * p.cs_dim) * es;  // the channels' column 0
+    float win[W - 1 + TB][C];  // the window, then a batch of tokens
+    for (int64_t t0 = 0; t0 < tokens; t0 += TB) {
+      const int batch = static_cast<int>(tokens - t0 < TB ? tokens - t0 : TB);
+      typename A::Raw xr[TB], sr[W - 1];
+#pragma unroll
+      for (int t = 0; t < TB; ++t)
+        if (t < batch) xr[t] = A::load_x(p, bos + t0 + t, c);
+      if (t0 == 0) {
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) sr[j] = A::load_state(p, col0, off + j);
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) A::widen(p, sr[j], p.state_dtype, win[j]);
+        // The window's last W - 2 columns move to the front: the state after the request is the
+        // sequence (window, tokens) without its first column.
+#pragma unroll
+        for (int j = 1; j < W - 1; ++j) A::store_state(p, col0, j - 1, win[j]);
+      }
+#pragma unroll
+      for (int t = 0; t < TB; ++t) {
+        if (t >= batch) break;
+        A::widen(p, xr[t], p.x_dtype, win[W - 1 + t]);
+        float y[C];
+#pragma unroll
+        for (int m = 0; m < C; ++m) {
+          const float xt = A::to_state(p, win[W - 1 + t][m]);  // x as the state's dtype, as vLLM converts it
+          win[W - 1 + t][m] = xt;
+          // Products summed in tap order, then the bias: the reference's order, without contraction.
+          float s = __fmul_rn(w[m][0], win[t][m]);
+#pragma unroll
+          for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[m][j], win[t + j][m]));
+          s = __fadd_rn(b[m], s);
+          // SiLU with the fast exp and division (a few fp32 ulps, under the output's rounding): the
+          // precise ones were most of a token's latency chain where few warps share an SM.
+          if (p.silu) s = __fdividef(s, 1.f + __expf(-s));
+          y[m] = A::to_state(p, s);
+        }
+        A::store_out(p, bos + t0 + t, c, y);
+        A::store_state(p, col0, W - 2 + t0 + t, win[W - 1 + t]);
+      }
+      // A full batch's last W - 1 values open the next batch's window (only a full batch has a next).
+#pragma unroll
+      for (int j = 0; j < W - 1; ++j)
+#pragma unroll
+        for (int m = 0; m < C; ++m) win[j][m] = win[TB + j][m];
+    }
   }
-}
-
-// The update of one request's C channels from c, one token, in two parts (the step's fused conv,
-// mtp_one.cuh): conv_start loads the weights and the request's slot, to be in flight with the step's
-// own first loads; conv_finish waits for them, then loads the window and x and updates.
-template <int W, typename A>
-struct ConvStart {
-  typename A::template Weights<W> raw;
-  Request r;
-};
-template <int W, typename A>
-__device__ __forceinline__ ConvStart<W, A> conv_start(const ConvUpdateParams& p, int64_t c, int64_t n) {
-  return ConvStart<W, A>{A::template load_weights<W>(p, c), load_request(p, n)};
-}
-template <int W, typename A>
-__device__ __forceinline__ void conv_finish(const ConvUpdateParams& p, int64_t c, const ConvStart<W, A>& s) {
-  float w[A::C][W], b[A::C] = {};
-  A::template widen_weights<W>(p, s.raw, w, b);
-  conv_request<W, A, 1>(p, c, s.r, w, b);
 }
 
 template <int W, typename T, int TB>

@@ -54,15 +54,7 @@ int launch_warp(const GdnDecodeParams& p, void* stream) {
 int launch_gdn_decode(const GdnDecodeParams& call, Variant v, void* stream) {
   if (call.N == 0) return 0;
   GdnDecodeParams p = call;
-  if (p.fused_conv && !conv_fuses(p)) {
-    // No build takes the conv into this step: it runs first, as the pair's two calls do, and the
-    // step loads its state under it (early_state).
-    const int err = launch_conv_update(p.conv, stream);
-    if (err != 0) return err;
-    p.fused_conv = false;
-    p.early_state = p.pdl;
-  }
-  p.early_state = p.early_state && !p.fused_conv && p.N * p.HV <= kEarlyStateMaxPairsPerSm * rule_sms(p);
+  p.early_state = call.early_state && call.N * call.HV <= kEarlyStateMaxPairsPerSm * rule_sms(call);
   const int id = static_cast<int>(v);
   if (id < 0 || id >= kNumVariants) return static_cast<int>(cudaErrorInvalidValue);
   // The multi-token kernels put requests on the grid's x dimension (2^31 - 1 blocks; launch_vk_one

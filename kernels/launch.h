@@ -19,50 +19,6 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // A grid's y and z dimensions hold at most this many blocks (x: 2^31 - 1).
 constexpr int64_t kMaxGridYZ = 65535;
 
-// The causal-conv1d update that precedes the step in vLLM's GDN layer (kernels/conv_update.cuh;
-// semantics: cudelta/conv_reference.py). Request n's window is conv_state[indices[n], :, off : off +
-// width - 1] (off = accepted[n] - 1 with cu_seqlens, else 0), its tokens x's rows bos..eos - 1
-// (cu_seqlens [N+1], else row n); each token's output is act(bias + sum_j weight[:, j] * seq[t + j])
-// in fp32, rounded to the state's dtype and stored in x's; the sequence without its first column goes
-// back to columns 0 .. width - 3 + tokens. A slot equal to null_block_id (or out of range) is skipped.
-struct ConvUpdateParams {
-  const void* x;  // [L, dim], channels contiguous
-  DType x_dtype;
-  int64_t x_stride_row;
-  void* out;  // [L, dim], x's dtype, channels contiguous; may be x
-  int64_t out_stride_row;
-  void* conv_state;  // [slots, dim, state_len], strides in elements
-  DType state_dtype;
-  int64_t cs_slot, cs_dim, cs_col;
-  // weight [dim, width] (w_seg = dim), or segments of w_seg channels each (vLLM's KDA decode weight
-  // [3, width, dim / 3], q, k and v tap-major): channel c's tap j is element
-  // (c / w_seg) * w_stride_seg + (c % w_seg) * w_stride_dim + j * w_stride_tap.
-  const void* weight;
-  DType weight_dtype;
-  int64_t w_stride_dim, w_stride_tap;
-  int64_t w_seg, w_stride_seg;
-  const void* bias;  // [dim], contiguous, or null
-  DType bias_dtype;
-  const void* indices;  // [N], indices_stride elements apart (vLLM passes a column of its block table)
-  bool indices_int64;
-  int64_t indices_stride;
-  const void* cu_seqlens;  // [N+1] or null: one token a row
-  bool cu_int64;
-  const void* accepted;  // [N], with cu_seqlens
-  bool accepted_int64;
-  int64_t N, dim, width, state_len, slots, L, null_block_id;
-  bool silu;
-  bool pdl;  // launched with programmatic dependent launch (sm_90+ images)
-  // x, the state, the weight and the bias share one dtype, every run of 4 channels from a multiple
-  // of 4 is aligned to its size in x, out, the bias and each column of the conv state (channels
-  // contiguous there, cs_dim 1), and the weight is a contiguous [dim, width] on 8 bytes: a thread
-  // moves 4 channels as vectors.
-  bool vec;
-  // As vec, but the weight is vLLM's KDA decode layout in fp32 (w_seg and the strides whole 16-byte
-  // runs, w_stride_dim 1), x and the state bf16, the bias fp32 or none, width 4, at most 2 tokens a
-  // request (kernels/conv_update.cuh, ConvAccessF32Taps).
-  bool f32_taps;
-};
 struct GdnDecodeParams {
   // q, k [N, H, K]; v [N, HV, V]: innermost dim contiguous, strides in elements, dtype `dtype`.
   // qk_aligned: q and k start on 16 bytes and their strides are whole 16-byte units, so a lane
@@ -150,14 +106,6 @@ struct GdnDecodeParams {
   DType norm_weight_dtype;
   float norm_eps;
 
-  // fused_conv: the causal-conv1d update of the same layer step comes first, in this launch where
-  // conv_fuses holds (each block convolves its request's channels of q, k and v, the head's, into
-  // conv.out, which q, k and v view, and reads them back after a barrier), else as a launch of its
-  // own before the step (launch_gdn_decode). KDA's one-token call on vLLM's layout (conv.f32_taps):
-  // q, k and v are conv.out's [H*K | H*K | HV*V] with H = HV, so a channel belongs to one block.
-  bool fused_conv;
-  ConvUpdateParams conv;
-
   // Whether the call takes the multi-token kernel: anything beyond one token read and written in
   // place at idx[n] without an epilogue.
   bool multi_token() const {
@@ -165,26 +113,51 @@ struct GdnDecodeParams {
   }
 };
 
-// The one-token kernels' largest V (their outputs wait in shared memory for the epilogue).
-constexpr int kMaxOneRows = 128;
 
-// Whether a multi-token call takes a one-token kernel (kernels/mtp_one.cuh): at most one token a
-// request, layout vk, K = 128 (the head dim the warp kernel's extra builds are for), V whole tiles
-// of 16 rows, at most kMaxOneRows.
-inline bool one_token_call(const GdnDecodeParams& p) {
-  const bool one = p.idx_columns == 1 || (p.idx_columns == 0 && p.cu_seqlens == nullptr && p.tokens == 1);
-  return one && p.state_vk && p.K == 128 && p.V % 16 == 0 && p.V <= kMaxOneRows;
-}
-
-// Whether the conv runs inside the step's launch: the one-token block kernel, KDA's per-channel
-// gates, the conv's build for vLLM's KDA weight, one token a row, requests on the grid's x in
-// launch_vk_one's block grid (mtp_one.cuh).
-inline bool conv_fuses(const GdnDecodeParams& p) {
-  return p.fused_conv && p.multi_token() && one_token_call(p) && p.g_per_channel && p.conv.f32_taps &&
-         p.conv.cu_seqlens == nullptr && p.H == p.HV && p.K == p.V && p.N <= kMaxGridYZ;
-}
-
-
+// The causal-conv1d update that precedes the step in vLLM's GDN layer (kernels/conv_update.cuh;
+// semantics: cudelta/conv_reference.py). Request n's window is conv_state[indices[n], :, off : off +
+// width - 1] (off = accepted[n] - 1 with cu_seqlens, else 0), its tokens x's rows bos..eos - 1
+// (cu_seqlens [N+1], else row n); each token's output is act(bias + sum_j weight[:, j] * seq[t + j])
+// in fp32, rounded to the state's dtype and stored in x's; the sequence without its first column goes
+// back to columns 0 .. width - 3 + tokens. A slot equal to null_block_id (or out of range) is skipped.
+struct ConvUpdateParams {
+  const void* x;  // [L, dim], channels contiguous
+  DType x_dtype;
+  int64_t x_stride_row;
+  void* out;  // [L, dim], x's dtype, channels contiguous; may be x
+  int64_t out_stride_row;
+  void* conv_state;  // [slots, dim, state_len], strides in elements
+  DType state_dtype;
+  int64_t cs_slot, cs_dim, cs_col;
+  // weight [dim, width] (w_seg = dim), or segments of w_seg channels each (vLLM's KDA decode weight
+  // [3, width, dim / 3], q, k and v tap-major): channel c's tap j is element
+  // (c / w_seg) * w_stride_seg + (c % w_seg) * w_stride_dim + j * w_stride_tap.
+  const void* weight;
+  DType weight_dtype;
+  int64_t w_stride_dim, w_stride_tap;
+  int64_t w_seg, w_stride_seg;
+  const void* bias;  // [dim], contiguous, or null
+  DType bias_dtype;
+  const void* indices;  // [N], indices_stride elements apart (vLLM passes a column of its block table)
+  bool indices_int64;
+  int64_t indices_stride;
+  const void* cu_seqlens;  // [N+1] or null: one token a row
+  bool cu_int64;
+  const void* accepted;  // [N], with cu_seqlens
+  bool accepted_int64;
+  int64_t N, dim, width, state_len, slots, L, null_block_id;
+  bool silu;
+  bool pdl;  // launched with programmatic dependent launch (sm_90+ images)
+  // x, the state, the weight and the bias share one dtype, every run of 4 channels from a multiple
+  // of 4 is aligned to its size in x, out, the bias and each column of the conv state (channels
+  // contiguous there, cs_dim 1), and the weight is a contiguous [dim, width] on 8 bytes: a thread
+  // moves 4 channels as vectors.
+  bool vec;
+  // As vec, but the weight is vLLM's KDA decode layout in fp32 (w_seg and the strides whole 16-byte
+  // runs, w_stride_dim 1), x and the state bf16, the bias fp32 or none, width 4, at most 2 tokens a
+  // request (kernels/conv_update.cuh, ConvAccessF32Taps).
+  bool f32_taps;
+};
 __attribute__((visibility("hidden"))) int launch_conv_update(const ConvUpdateParams& p, void* stream);  // units/conv.cu
 
 // Launch one variant's kernels on `stream` (a cudaStream_t) for params within the grid's limits

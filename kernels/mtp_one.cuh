@@ -7,12 +7,14 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "conv_update.cuh"
 #include "mtp_common.cuh"
 #include "warp_vk.cuh"
 
 namespace cudelta {
 namespace {
+
+// The one-token kernel's largest V (its outputs wait in shared memory for the epilogue).
+constexpr int kMaxOneRows = 128;
 
 // The one-token kernels of layout vk: at most one token a request (idx [N] with one token a
 // request, or idx [N, 1]: one column bounds a request's tokens to one, request_span skips longer
@@ -34,11 +36,8 @@ namespace {
 // tiles (BW = 16, TPW = 2) on sm_80, where it kept one of them at 128 and spilled 4 bytes (3 blocks of
 // 4 warps: up to 168 registers); sm_90a does not spill, and its cubins are the same with or without
 // them.
-// The fused conv's fp32 build of two 8-row tiles (8 warps) asks for 2 blocks, as many as the
-// build without the conv gets (128 registers; unbounded, ptxas gave it 136: one block an SM).
-template <typename ST, int BW, int TPW = 1, bool CONV = false>
+template <typename ST, int BW, int TPW = 1>
 __host__ __device__ constexpr int one_kernel_min_blocks() {
-  if (CONV && std::is_same_v<ST, float> && BW == 8 && TPW == 2) return 2;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
   return !std::is_same_v<ST, float> && BW == 8 ? 1 : 0;
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -57,16 +56,8 @@ __host__ __device__ constexpr int one_kernel_threads() {
   return TPW == 1 ? 512 : 32 * kMaxOneRows / (BW * TPW);
 }
 
-//
-// CONV (conv_fuses, launch.h): the layer step's causal-conv1d update in the same block, the KDA call
-// on vLLM's layout. Once the warps' state loads are issued, the first warps convolve the request's
-// channels of this head's q, k and v (2 or 4 a lane) into p.conv.out, which p.q, p.k
-// and p.v view, and advance their windows; a barrier, then every warp reads its inputs back (L2).
-// No other block reads these channels (H = HV), so nothing waits across blocks, and the conv's round
-// trip to memory overlaps the state's instead of being a launch of its own before the step. A
-// request the step skips still has its conv run, as with two launches.
-template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1, bool CONV = false>
-__global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW, TPW, CONV>()))
+template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1>
+__global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW, TPW>()))
     decode_vk_one_kernel(const GdnDecodeParams p) {
   static_assert(BW * TPW >= kMaxOneRows / 16, "at most 16 warps a head");
   __shared__ float s_o[kMaxOneRows];
@@ -75,38 +66,15 @@ __global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_m
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t n = block_request(p), hv = block_head(p);
   const int V = static_cast<int>(p.V);
-  // CONV: blocks of 6 warps or more convolve 2 channels a lane in 6 warps (64 channels of q, k or v
-  // each), smaller ones 4 in 3. The weights' and the slot's loads go out with the step's slot.
-  using CA = std::conditional_t<(kMaxOneRows / (BW * TPW) >= 6), ConvAccessF32TapPairs, ConvAccessF32Taps<__nv_bfloat16>>;
-  constexpr int kConvWarpsPerPart = K / (32 * CA::C);
-  const bool conv_warp = CONV && warp < 3 * kConvWarpsPerPart;
-  const int64_t conv_c = (warp / kConvWarpsPerPart * p.H + hv) * K +
-                         CA::C * ((warp % kConvWarpsPerPart) * 32 + static_cast<int>(threadIdx.x % 32));
-  ConvStart<4, CA> conv_in{};
-  if constexpr (CONV) {
-    if (conv_warp) conv_in = conv_start<4, CA>(p.conv, conv_c, n);
-  }
-  const auto conv = [&]() {
-    if constexpr (CONV) {
-      if (conv_warp) conv_finish<4, CA>(p.conv, conv_c, conv_in);
-    }
-  };
   int64_t bos, len, start;
-  if (!head_request_span(p, n, hv, bos, len, start)) {
-    conv();
-    return;
-  }
+  if (!head_request_span(p, n, hv, bos, len, start)) return;
   // The epilogue's z and w of this thread's output (blockDim >= V: BW <= 32 rows a warp).
   const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
   const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
   const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
   TileEpilogue epi{s_o, 0.f};
-  const auto conv_then_barrier = [&]() {
-    conv();
-    if constexpr (CONV) __syncthreads();  // its stores of q, k and v are the block's to read after it
-  };
   warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start,
-                                                            start, &epi, conv_then_barrier);
+                                                            start, &epi);
   if (threadIdx.x % 32 == 0) s_sumsq[warp] = epi.sumsq;
   __syncthreads();
   if (!mine) return;
@@ -229,11 +197,9 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
   }
 }
 
-// CONV: the fused conv's build (conv_fuses holds: KDA's per-channel gates).
-template <int K, typename ST, int BW, bool STREAM, int TPW = 1, bool CONV = false>
+template <int K, typename ST, int BW, bool STREAM, int TPW = 1>
 int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM, TPW> : decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>;
-  if constexpr (CONV) kernel = decode_vk_one_kernel<K, ST, BW, true, STREAM, TPW, true>;
   return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / (BW * TPW)) * 32), p, stream);
 }
 
@@ -270,6 +236,13 @@ bool one_cluster_fits(const GdnDecodeParams& p) {
   return p.gate_activation > 0 && p.clusters && p.V % (BW * TPW * WPB) == 0 && p.V / (BW * TPW * WPB) <= 8;
 }
 
+// Whether a call takes a one-token kernel: at most one token a request, layout vk, K = 128 (the head
+// dim the warp kernel's extra builds are for), V whole tiles of 16 rows, at most kMaxOneRows.
+inline bool one_token_call(const GdnDecodeParams& p) {
+  const bool one = p.idx_columns == 1 || (p.idx_columns == 0 && p.cu_seqlens == nullptr && p.tokens == 1);
+  return one && p.state_vk && p.K == 128 && p.V % 16 == 0 && p.V <= kMaxOneRows;
+}
+
 // Which one-token kernel and build, by (request, head) pairs an SM (numbers: µs, 16/32 heads unless
 // said; benchmarks/results-h200-mtp.md and results-h100-mtp.md):
 // - Below half a pair an SM with the epilogue, on sm_90+ images: the one-warp grid with the
@@ -302,20 +275,6 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   // The one-warp grid holds requests on z: a call with more than it holds takes the block kernel,
   // whose grid holds them on x (launch_gdn_decode does not split multi-token calls).
   if (request_blocks(p) > kMaxGridYZ) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
-  // The conv fused: the block kernel at every batch (the conv's channels of a head in one block),
-  // each build where the rule below takes a block kernel with the epilogue, and beyond its range
-  // the nearest.
-  if (conv_fuses(p)) {
-    if constexpr (std::is_same_v<ST, float>) {
-      if (pairs <= sms) return launch_vk_one_rows<128, ST, 8, true, 1, true>(p, stream);
-      return launch_vk_one_rows<128, ST, 8, true, 2, true>(p, stream);
-    } else {
-      if (pairs <= 2 * sms) return launch_vk_one_rows<128, ST, 16, true, 1, true>(p, stream);
-      if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 8, true, 1, true>(p, stream);
-      if (pairs <= 32 * sms) return launch_vk_one_rows<128, ST, 16, true, 2, true>(p, stream);
-      return launch_vk_one_rows<128, ST, 16, false, 2, true>(p, stream);
-    }
-  }
   if constexpr (std::is_same_v<ST, float>) {
     if (pairs < sms / 2 && one_cluster_fits<8, 1, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 1, true, 2>(p, stream);
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);

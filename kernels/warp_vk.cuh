@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "launch.h"
 #include "common/dtype.cuh"
@@ -88,21 +87,12 @@ __device__ __forceinline__ void tile_row_sums(const Partial& partial, int lane, 
   pq = aq[0];
 }
 
-// What warp_step runs between its state loads and its other inputs' loads: nothing, or the fused
-// conv that writes q, k and v (mtp_one.cuh).
-struct NoInputsHook {
-  __device__ __forceinline__ void operator()() const {}
-};
-
 // The step of one tile group: the inputs of token row `n` (a request, or with several tokens a token
 // row), the state read from slot `src` and written to slot `dst` (DST_CHECK: not written where dst
-// is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer. before_inputs runs once
-// the state's loads are issued, before any other input is loaded.
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool EPI = false, bool DST_CHECK = EPI,
-          typename BeforeInputs = NoInputsHook>
+// is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer.
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool EPI = false, bool DST_CHECK = EPI>
 __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, int64_t hv, int64_t h, int64_t n,
-                                          int64_t src, int64_t dst, TileEpilogue* epi = nullptr,
-                                          const BeforeInputs& before_inputs = BeforeInputs{}) {
+                                          int64_t src, int64_t dst, TileEpilogue* epi = nullptr) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
   using Sh = WarpShape<K, ST, BW>;
@@ -127,28 +117,6 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
     }
   }
   pdl_wait_late(p);  // its callers: pdl_wait_early
-  // The gates' loads: after v, q and k's, or, with a hook, before it (they do not depend on it, and
-  // their round trip then overlaps the hook's).
-  constexpr bool kHook = !std::is_same_v<BeforeInputs, NoInputsHook>;
-  DecayBits d_bits[PER_CHANNEL ? CPL * E : 1];
-  uint32_t a_log_bits, beta_bits;
-  const auto load_gates = [&]() {
-    if constexpr (PER_CHANNEL) {
-#pragma unroll
-      for (int i = 0; i < CPL; ++i) {
-#pragma unroll
-        for (int m = 0; m < E; ++m) d_bits[i * E + m] = load_decay_bits(p, n, hv, E * (i * LPR + l) + m);
-      }
-    } else {
-      d_bits[0] = load_decay_bits(p, n, hv, -1);
-    }
-    a_log_bits = load_a_log_bits(p, hv);
-    beta_bits = load_beta_bits(p, n, hv);
-  };
-  if constexpr (kHook) {
-    load_gates();
-    before_inputs();
-  }
   // The row this lane reduces last (the butterfly's result) and its v.
   const int my_j = l / F;
   const int my_row = r + RPP * my_j;
@@ -163,7 +131,17 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
     q_bits[i] = load_run_bits<E>(p.q, p.dtype, qo + E * (i * LPR + l), p.qk_aligned);
     k_bits[i] = load_run_bits<E>(p.k, p.dtype, ko + E * (i * LPR + l), p.qk_aligned);
   }
-  if constexpr (!kHook) load_gates();
+  DecayBits d_bits[PER_CHANNEL ? CPL * E : 1];
+  if constexpr (PER_CHANNEL) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+      for (int m = 0; m < E; ++m) d_bits[i * E + m] = load_decay_bits(p, n, hv, E * (i * LPR + l) + m);
+    }
+  } else {
+    d_bits[0] = load_decay_bits(p, n, hv, -1);
+  }
+  const uint32_t a_log_bits = load_a_log_bits(p, hv), beta_bits = load_beta_bits(p, n, hv);
 
   // Then their values, and the three dot products over the row's lanes.
   float vv[TPW];
