@@ -126,10 +126,10 @@ def test_a_spoiled_implementation_is_timed_but_marked(spoil, detail):
     assert "- vLLM CUDA: agrees in 0/1 cells" in text and "**DISAGREES** at B=2: " in text and detail in text
 
 
-def runs_from(values: dict, ok: dict | None = None):
+def runs_from(values: dict, ok: dict | None = None, copy_GBps: float = 4000.0):
     """Processes' results from {(H, B, impl): [µs per process]}."""
     procs = max(len(v) for v in values.values())
-    runs = [{"device": "GPU", "copy_GBps": 4000.0, "times": [], "skips": [], "checks": []} for _ in range(procs)]
+    runs = [{"device": "GPU", "copy_GBps": copy_GBps, "times": [], "skips": [], "checks": []} for _ in range(procs)]
     for (H, B, impl), us in values.items():
         for run, u in zip(runs, us):
             run["times"].append(dict(state=kb.head_key(H), B=B, T=1, impl=impl, us=u, mode="graph"))
@@ -145,14 +145,17 @@ def test_the_summary_reads_ratios_and_percentages_off_the_medians():
                       (12, 4, C): [20.0] * 3, (12, 4, V): [18.0] * 3, (12, 4, P): [10.0] * 3,
                       (12, 8, C): [30.0] * 3, (12, 8, V): [33.0] * 3, (12, 8, P): [3.0] * 3,
                       (12, 32, C): [40.0] * 3, (12, 32, P): [20.0] * 3},
-                     ok={(12, 8, C): False, (12, 1, C): True})
+                     ok={(12, 8, C): False, (12, 1, C): True}, copy_GBps=400.0)
     m = report.merge_runs(runs)
     assert kb.ratio(m, 12, 1) == pytest.approx(1.5) and kb.ratio(m, 12, 32) is None
     lines = kb.table(m, 12, [1, 4, 8, 32])
-    assert "| 1 | 10.0 | 15.0 | 1.50x | 80% | 53% |" in lines
-    assert "| 4 | 20.0 | 18.0 | 0.90x | 50% | 56% |" in lines
-    assert "| 8 | 30.0 ✗ | 33.0 | 1.10x | 10% | 9% |" in lines
-    assert "| 32 | 40.0 | — | — | 50% | — |" in lines
+    # A request at H=12 moves 1,646,616 bytes; % of copy is B of them ÷ the time, of 400 GB/s (the
+    # per-cell copies, 8-20 µs here, are not the yardstick).
+    assert kb.request_bytes(12) == 1_646_616
+    assert "| 1 | 10.0 | 15.0 | 1.50x | 41% | 27% |" in lines
+    assert "| 4 | 20.0 | 18.0 | 0.90x | 82% | 91% |" in lines
+    assert "| 8 | 30.0 ✗ | 33.0 | 1.10x | 110% | 100% |" in lines
+    assert "| 32 | 40.0 | — | — | 329% | — |" in lines
     # B=4 is slower, B=8 faster but wrong: both miss; B=32 has no vLLM time and does not count.
     assert kb.target_line(m, 12, [1, 4, 8, 32]) == \
         "- never slower than vLLM's CUDA op: met in 1 of 3 cells; missed at B=4 0.90x, B=8 1.10x ✗"
