@@ -6,7 +6,7 @@ bytes as the yardstick.
     # on the GPU machine (carry [".peers/cuda_op"]), cudelta built there:
     python -P benchmarks/kda_bench.py --out $OUT/kda.md                  # H 12 48, B 1 4 8 32 128 512
     python -P benchmarks/kda_bench.py --heads 12 24 48 96 --out $OUT/kda-all.md
-    #   [--batches ...] [--procs 3] [--back-to-back] [--cuda-op vllm_C_stable.so.xz]
+    #   [--batches ...] [--procs 3] [--back-to-back] [--cuda-op vllm_C_stable.so.xz] [--conv-layout DS]
 
 Shapes: H heads (q, k and v heads all H) in 12, 24, 48, 96 (Kimi K3 at tensor-parallel 8, 4, 2, 1),
 head dim 128, conv width 4, one token per request, B requests; gate lower bound -5, norm eps 1e-5.
@@ -263,10 +263,10 @@ def render(m: report.Merged, heads: list[int], batches: list[int], method: str, 
 class Cell:
     """One (H, B): the step's inputs as vLLM's Kimi K3 layer holds them, and its pool's layout."""
 
-    def __init__(self, H: int, B: int, seed: int):
+    def __init__(self, H: int, B: int, seed: int, conv_layout: str = "SD"):
         import torch
 
-        self.torch, self.H, self.B = torch, H, B
+        self.torch, self.H, self.B, self.conv_layout = torch, H, B, conv_layout
         dev, bf16 = mb.DEVICE, torch.bfloat16
         self.dim = 3 * H * D
         self.conv_bytes = (WIDTH - 1) * self.dim * 2
@@ -289,10 +289,12 @@ class Cell:
         self.sets = max(2, math.ceil(mb.DRAM_BYTES / (B * self.page)))
 
     def views(self, pages) -> Pool:
-        """The op's conv_state [slots, dim, 3] (the transposed view of each page's [3, dim]) and
-        state [slots, H, V, K] over the pages."""
+        """The op's conv_state [slots, dim, 3] (SD: the transposed view of each page's [3, dim]; DS:
+        the page's [dim, 3] itself) and state [slots, H, V, K] over the pages."""
         torch, n = self.torch, pages.shape[0]
-        conv = pages[:, :self.conv_bytes].view(torch.bfloat16).view(n, WIDTH - 1, self.dim).transpose(1, 2)
+        conv = pages[:, :self.conv_bytes].view(torch.bfloat16)
+        conv = (conv.view(n, WIDTH - 1, self.dim).transpose(1, 2) if self.conv_layout == "SD"
+                else conv.view(n, self.dim, WIDTH - 1))
         state = pages[:, self.conv_bytes:self.conv_bytes + self.block].view(torch.float32).view(n, self.H, D, D)
         return Pool(pages, conv, state)
 
@@ -414,8 +416,9 @@ def time_cell(cell: Cell, checked: dict, skip, result: dict, separate: bool) -> 
     return " ".join(line)
 
 
-def run_cell(H: int, B: int, impls: dict, reference, result: dict, separate: bool = True) -> None:
-    cell = Cell(H, B, seed=1000 * H + B)
+def run_cell(H: int, B: int, impls: dict, reference, result: dict, separate: bool = True,
+             conv_layout: str = "SD") -> None:
+    cell = Cell(H, B, seed=1000 * H + B, conv_layout=conv_layout)
     calls = {name: cell.call(fn) for name, fn in impls.items()}
 
     def skip(impl, reason):
@@ -471,7 +474,8 @@ def work(args, impls: dict, reasons: dict, reference, save=None) -> dict:
                 if f is None:
                     result["skips"].append(dict(state=head_key(H), B=B, T=1, impl=n, reason=reasons[n]))
             try:
-                run_cell(H, B, loaded, reference, result, separate=not args.back_to_back)
+                run_cell(H, B, loaded, reference, result, separate=not args.back_to_back,
+                         conv_layout=args.conv_layout)
             except Exception as exc:  # noqa: BLE001  (the cells done so far still count)
                 traceback.print_exc()
                 for n in loaded:
@@ -514,7 +518,8 @@ def method_text(args, procs_done: int, seconds: float) -> str:
                "a one-element kernel after each call, its time subtracted (no call overlaps the previous one)")
     clock = "wall-clock times of CPU calls (dry run: the plumbing, not the numbers)" if args.device == "cpu" else \
         f"CUDA graph of >= {mb.MIN_CALLS} calls, best of 5 replays, per process"
-    return (f"Pool: vLLM's padded pages (conv state [3, 3H*128] bf16, state [H, 128, 128] fp32, padding to 32 KiB; "
+    conv = "[3, 3H*128] (SD)" if args.conv_layout == "SD" else "[3H*128, 3] (DS)"
+    return (f"Pool: vLLM's padded pages (conv state {conv} bf16, state [H, 128, 128] fp32, padding to 32 KiB; "
             f"slot 0 the null block), slot sets cycling over >= {args.dram_mib} MiB of pages; {clock}; {between}. "
             f"% of copy: the step's bytes (per request: state read + written, conv window read + written, x, "
             f"raw_g, raw_beta, output_gate, out) ÷ its time, against a 256 MiB copy's bandwidth (a copy of each "
@@ -526,7 +531,8 @@ def worker_command(args, so: str, so_reason: str, result: Path) -> list[str]:
     safe_path = ["-P"] if getattr(sys.flags, "safe_path", False) else []  # as the parent was started
     return [sys.executable, *safe_path, str(Path(__file__).resolve()), "--worker", str(result),
             "--heads", *map(str, args.heads), "--batches", *map(str, args.batches), "--device", args.device,
-            "--dram-mib", str(args.dram_mib), "--cuda-op-so", so, "--cuda-op-reason", so_reason] + (
+            "--dram-mib", str(args.dram_mib), "--cuda-op-so", so, "--cuda-op-reason", so_reason,
+            "--conv-layout", args.conv_layout] + (
         ["--back-to-back"] if args.back_to_back else [])
 
 
@@ -566,6 +572,9 @@ def parse_args(argv=None):
     parser.add_argument("--procs", type=int, default=3, help="processes to take medians over (default 3)")
     parser.add_argument("--back-to-back", action="store_true",
                         help="no kernel between calls: a call may overlap the previous one (PDL), not as in a model")
+    parser.add_argument("--conv-layout", choices=["SD", "DS"], default="SD",
+                        help="the conv state's layout in each page: SD [3, dim] (vLLM's default, handed to the op "
+                             "transposed) or DS [dim, 3]; default SD")
     parser.add_argument("--cuda-op", type=Path, help="vLLM's library (.so or .so.xz); default .peers/cuda_op/*.so.xz")
     parser.add_argument("--out", type=Path, help="write the tables here (markdown) and the numbers beside it (.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

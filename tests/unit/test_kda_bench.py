@@ -207,3 +207,18 @@ def test_the_stand_in_agrees_with_cudeltas_reference():
     kb.check_cell(cell, {kb.CUDELTA: cell.call(stand_in())}, vllm_compat.fused_kda_decode_reference,
                   lambda impl, why: pytest.fail(why), result)
     assert result["checks"][0]["ok"], result["checks"][0]
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_ds_pages_hand_the_op_each_page_s_dim_by_3_block_and_are_checked_the_same():
+    cell = kb.Cell(2, 3, seed=1, conv_layout="DS")
+    p = cell.pool(4, random_bytes=True)
+    assert p.conv.shape == (4, 3 * 2 * kb.D, 3) and p.conv.stride() == (cell.page // 2, 3, 1)
+    assert p.conv.data_ptr() == p.pages.data_ptr()  # the page's first bytes, as SD's
+    args = kb.parse_args(DRY + ["--batches", "3", "--procs", "1", "--conv-layout", "DS"])
+    reasons = {kb.CUDELTA: "", kb.VLLM_CUDA: "dry run"}
+    run = kb.work(args, {kb.CUDELTA: stand_in(), kb.VLLM_CUDA: stand_in(spoil_window)}, reasons, stand_in())
+    checks = {c["impl"]: c for c in run["checks"]}
+    assert checks[kb.CUDELTA]["ok"] and not checks[kb.VLLM_CUDA]["ok"]  # the window is checked on DS pages too
+    assert "conv state [3H*128, 3] (DS)" in kb.method_text(args, 1, 1.0)
+    assert kb.worker_command(args, "", "", Path("r.json"))[-2:] == ["--conv-layout", "DS"]
