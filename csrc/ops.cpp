@@ -606,19 +606,25 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
   };
   const bool one_dtype = conv_state.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type() &&
                         (!bias.has_value() || bias->scalar_type() == x.scalar_type());
-  // Both vector builds: 4 channels a thread, each run aligned in x, out, the state's columns and the bias.
-  const bool runs4 = dim % 4 == 0 && conv_state.stride(1) == 1 && run_aligned(x, {x.stride(0)}) &&
-                     run_aligned(out, {out.stride(0)}) &&
-                     run_aligned(conv_state, {conv_state.stride(0), conv_state.stride(2)}) &&
-                     (!bias.has_value() || run_aligned(*bias, {}));
+  // The vector builds: 4 channels a thread, each run aligned in x, out and the bias, and (but for
+  // the DS fp32-taps build, which moves whole windows) in the state's columns.
+  const bool xo_runs4 = dim % 4 == 0 && run_aligned(x, {x.stride(0)}) && run_aligned(out, {out.stride(0)}) &&
+                        (!bias.has_value() || run_aligned(*bias, {}));
+  const bool runs4 = xo_runs4 && conv_state.stride(1) == 1 &&
+                     run_aligned(conv_state, {conv_state.stride(0), conv_state.stride(2)});
   p.vec = one_dtype && runs4 && !segmented && weight.stride(1) == 1 && weight.stride(0) == width &&
           reinterpret_cast<uintptr_t>(weight.data_ptr()) % 8 == 0;
   // A tap's 4 channels of the fp32 weight one 16-byte vector: whole runs in every segment.
-  p.f32_taps = runs4 && segmented && width == 4 && p.w_stride_dim == 1 && p.w_seg % 4 == 0 &&
-               run_aligned(weight, {p.w_stride_seg, p.w_stride_tap}) && weight.scalar_type() == ScalarType::Float &&
-               x.scalar_type() == ScalarType::BFloat16 && conv_state.scalar_type() == ScalarType::BFloat16 &&
-               (!bias.has_value() || bias->scalar_type() == ScalarType::Float) &&
-               (!cu_seqlens.has_value() || conv_state.size(2) - 2 <= 2);
+  const bool taps = segmented && width == 4 && p.w_stride_dim == 1 && p.w_seg % 4 == 0 &&
+                   run_aligned(weight, {p.w_stride_seg, p.w_stride_tap}) && weight.scalar_type() == ScalarType::Float &&
+                   x.scalar_type() == ScalarType::BFloat16 && conv_state.scalar_type() == ScalarType::BFloat16 &&
+                   (!bias.has_value() || bias->scalar_type() == ScalarType::Float) &&
+                   (!cu_seqlens.has_value() || conv_state.size(2) - 2 <= 2);
+  p.f32_taps = taps && runs4;
+  // DS pages: each slot's [dim, 3] contiguous, 4 channels' windows one 24-byte run on 8 bytes.
+  p.f32_taps_ds = taps && xo_runs4 && !cu_seqlens.has_value() && conv_state.size(2) == 3 &&
+                  conv_state.stride(1) == 3 && conv_state.stride(2) == 1 &&
+                  reinterpret_cast<uintptr_t>(conv_state.data_ptr()) % 8 == 0 && (conv_state.stride(0) * 2) % 8 == 0;
   ImageInfo info{};
   select(device, -1, 1, &info);  // names a GPU this build has no image for
   p.pdl = pdl && info.cuda_arch >= 900;

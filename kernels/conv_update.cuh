@@ -322,7 +322,66 @@ __global__ void __launch_bounds__(kConvThreads, TB <= kConvShortBatch ? 16 : 1) 
   conv_update<W, ConvAccessF32Taps<__nv_bfloat16>, TB>(p);
 }
 
-template <int W, typename T, int TB = kConvTokenBatch, bool F32_TAPS = false>
+// The same on vLLM's DS pages (p.f32_taps_ds): a slot's conv state [dim, 3], so a thread's 4
+// channels' windows are 12 consecutive bf16, read as three 8-byte vectors and written back
+// shifted, with the token, as three more. Width 4, one token a row (no cu_seqlens: the window
+// starts at column 0). Column by column (ConvAccess's loop) they were 24 two-byte accesses a thread
+// and the drop-in stayed at 0.86-0.89x vLLM's op from B = 32 (benchmarks/results-h200-kda.md); the
+// arithmetic is conv_update's, in its order.
+__global__ void __launch_bounds__(kConvThreads, 16) conv_update_f32_taps_ds_kernel(const ConvUpdateParams p) {
+  constexpr int W = 4, C = 4;
+  using A = ConvAccessF32Taps<__nv_bfloat16>;
+  pdl_enter();
+  const int64_t c = (int64_t(blockIdx.x) * kConvThreads + threadIdx.x) * C;
+  if (c >= p.dim) return;
+  const auto raw = A::load_weights<W>(p, c);
+  Request r = load_request(p, blockIdx.y);
+  float w[C][W], b[C] = {};
+  A::widen_weights<W>(p, raw, w, b);
+  char* const cs = static_cast<char*>(p.conv_state);
+  for (int64_t n = blockIdx.y; n < p.N; n += gridDim.y) {
+    if (n != blockIdx.y) r = load_request(p, n);
+    const int64_t slot = r.slot;
+    if (slot == p.null_block_id || slot < 0 || slot >= p.slots || n >= p.L) continue;
+    uint2* const win_at = reinterpret_cast<uint2*>(cs + (slot * p.cs_slot + c * p.cs_dim) * 2);
+    const uint2 xr = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.x) + n * p.x_stride_row + c);
+    uint2 v[W - 1];
+#pragma unroll
+    for (int i = 0; i < W - 1; ++i) v[i] = win_at[i];
+    // Channel m's column j is element m * 3 + j of the 12.
+    float e[C * (W - 1)], xt[C];
+#pragma unroll
+    for (int i = 0; i < W - 1; ++i) {
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[i].x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[i].y));
+      e[4 * i] = lo.x; e[4 * i + 1] = lo.y; e[4 * i + 2] = hi.x; e[4 * i + 3] = hi.y;
+    }
+    Four<__nv_bfloat16>::widen(xr, xt);
+    float y[C], next[C * (W - 1)];
+#pragma unroll
+    for (int m = 0; m < C; ++m) {
+      const float seq[W] = {e[m * 3], e[m * 3 + 1], e[m * 3 + 2], xt[m]};
+      float s = __fmul_rn(w[m][0], seq[0]);
+#pragma unroll
+      for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[m][j], seq[j]));
+      s = __fadd_rn(b[m], s);
+      if (p.silu) s = __fdividef(s, 1.f + __expf(-s));
+      y[m] = s;
+      next[m * 3] = seq[1];
+      next[m * 3 + 1] = seq[2];
+      next[m * 3 + 2] = seq[3];
+    }
+    Four<__nv_bfloat16>::store(p.out, n * p.out_stride_row + c, y);
+#pragma unroll
+    for (int i = 0; i < W - 1; ++i) {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(next[4 * i], next[4 * i + 1]);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(next[4 * i + 2], next[4 * i + 3]);
+      win_at[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+    }
+  }
+}
+
+template <int W, typename T, int TB = kConvTokenBatch, bool F32_TAPS = false, bool DS = false>
 int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   constexpr int C = ConvAccess<T>::C;
   cudaLaunchConfig_t cfg = {};
@@ -334,7 +393,8 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
   cfg.numAttrs = add_pdl(p.pdl, attr, 0);
-  if constexpr (F32_TAPS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_kernel<W, TB>, p));
+  if constexpr (DS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_ds_kernel, p));
+  else if constexpr (F32_TAPS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_kernel<W, TB>, p));
   else return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T, TB>, p));
 }
 
@@ -344,6 +404,7 @@ template <int W>
 int launch_conv_width(const ConvUpdateParams& p, cudaStream_t stream) {
   if constexpr (W == 4) {
     if (p.f32_taps) return launch_conv_build<W, __nv_bfloat16, kConvShortBatch, true>(p, stream);
+    if (p.f32_taps_ds) return launch_conv_build<W, __nv_bfloat16, kConvShortBatch, true, true>(p, stream);
   }
   if (p.vec) {
     // At most this many tokens a request: one without cu_seqlens, else what the window leaves of

@@ -157,6 +157,10 @@ struct ConvUpdateParams {
   // runs, w_stride_dim 1), x and the state bf16, the bias fp32 or none, width 4, at most 2 tokens a
   // request (kernels/conv_update.cuh, ConvAccessF32Taps).
   bool f32_taps;
+  // As f32_taps, one token a row (no cu_seqlens), on vLLM's DS pages: the conv state [slots, dim,
+  // 3] with each slot's [dim, 3] contiguous (cs_dim 3, cs_col 1, state_len 3), slots on 8 bytes
+  // (conv_update_f32_taps_ds_kernel).
+  bool f32_taps_ds;
 };
 __attribute__((visibility("hidden"))) int launch_conv_update(const ConvUpdateParams& p, void* stream);  // units/conv.cu
 
