@@ -177,3 +177,30 @@ def test_more_tokens_than_a_thread_loads_at_once_continue_the_window(dim):
     got = conv.causal_conv1d_update(x, state, w, b, "silu", idx, cu, acc)
     assert_close_out(got, want)
     assert torch.equal(state.cpu(), want_state)
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_vllm_s_kda_weight_on_either_page_layout_matches_the_reference(layout, bias):
+    # Kimi K3's layer: bf16 x and conv state, the fp32 weight [3, 4, H*128] (q, k, v tap-major) read
+    # in place: the fp32-taps build on SD pages (a page [3, dim], passed transposed), the DS build on
+    # DS pages (a page [dim, 3]); each a vector path of its own.
+    H, D, slots = 3, 128, 10
+    dim = 3 * H * D
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    if layout == "SD":
+        state = torch.randn(slots, 3, dim, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+    else:
+        state = torch.randn(slots, dim, 3, device="cuda", generator=gen).to(torch.bfloat16)
+    before = state.clone()
+    weight = torch.randn(3, 4, H * D, device="cuda", generator=gen) * 0.3
+    b = torch.randn(dim, device="cuda", generator=gen) * 0.1 if bias else None
+    idx = torch.tensor([4, 0, 9, 2, 6], dtype=torch.int32, device="cuda")  # slot 0: the null block
+    x = torch.randn(len(idx), dim, device="cuda", generator=gen).to(torch.bfloat16)
+    want, want_state = reference_on_cpu(x, state, weight, b, "silu", idx)
+    got = conv.causal_conv1d_update(x, state, weight, b, "silu", idx)
+    assert_close_out(got, want)
+    assert torch.equal(state.cpu(), want_state)
+    assert torch.equal(got[1], x[1])
+    untouched = [s for s in range(slots) if s not in (4, 9, 2, 6)]
+    assert torch.equal(state[untouched], before[untouched])
