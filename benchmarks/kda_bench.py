@@ -49,8 +49,8 @@ would not see, no number without a check):
   (3): per-cell medians, and the spread (max - min) / median.
 - Copy: "% of copy" is the bytes the step must move (request_bytes) ÷ its time, as a share of the
   bandwidth of a 256 MiB device-to-device copy measured once a process. A copy moving each cell's own
-  bytes (copying half of them, mtp_bench.copy_us) is timed too and kept in the .json: at 10-50 MB a
-  single copy kernel reached only 2.5-3.1 TB/s on an H200 against 4.25 at 256 MiB, so as a
+  bytes (copying half of them, mtp_bench.copy_us) is timed too and kept in the .json: at 10-100 MB a
+  single copy kernel reached only 2.0-3.1 TB/s on an H200 against 4.25 at 256 MiB, so as a
   yardstick it put steps at 102-135% there. Per request: the recurrent
   state read and written (2 * H*128*128*4), the conv window read and written (2 * 3 * 3*H*128 * 2:
   the op reads the 3 old columns and writes 3 shifted ones), the x row (3*H*128*2), raw_g (H*128*2),
@@ -162,8 +162,8 @@ def ratio(m: report.Merged, H: int, B: int) -> float | None:
 
 def pct(m: report.Merged, H: int, B: int, impl: str) -> str:
     """The step's bytes ÷ its time, as a share of the copy's bandwidth at 256 MiB (m.copy_GBps). Not
-    of a copy of the cell's own bytes: a single copy kernel of 10-50 MB measured only 2.5-3.1 TB/s on
-    an H200 against 4.25 at 256 MiB (its ramp and tail), and steps beat it there."""
+    of a copy of the cell's own bytes: a single copy kernel of 10-100 MB measured only 2.0-3.1 TB/s on
+    an H200 against 4.25 at 256 MiB, and steps beat it there."""
     us = m.median.get((head_key(H), B, 1, impl))
     if not us or not math.isfinite(m.copy_GBps) or m.copy_GBps <= 0:
         return "—"
