@@ -522,7 +522,8 @@ def method_text(args, procs_done: int, seconds: float) -> str:
     return (f"Pool: vLLM's padded pages (conv state {conv} bf16, state [H, 128, 128] fp32, padding to 32 KiB; "
             f"slot 0 the null block), slot sets cycling over >= {args.dram_mib} MiB of pages; {clock}; {between}. "
             f"% of copy: the step's bytes (per request: state read + written, conv window read + written, x, "
-            f"raw_g, raw_beta, output_gate, out) ÷ its time, against a 256 MiB copy's bandwidth (a copy of each "
+            f"raw_g, raw_beta, output_gate, out) ÷ its time, against a {report.COPY_CAP_BYTES >> 20} MiB copy's "
+            f"bandwidth (a copy of each "
             f"cell's own bytes is timed too, in the .json). {procs_done} of {args.procs} processes, "
             f"{seconds:.0f} s.")
 

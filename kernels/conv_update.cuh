@@ -217,6 +217,20 @@ struct ConvAccess<void> {
   }
 };
 
+// One channel's output from its W weights, the W values of its sequence (seq(j): the window's
+// columns, then the token) and its bias: the products summed in tap order, then the bias, the
+// reference's order without contraction; SiLU with the fast exp and division (a few fp32 ulps, under
+// the output's rounding: the precise ones were most of a token's latency chain where few warps share
+// an SM).
+template <int W, typename Seq>
+__device__ __forceinline__ float conv_output(const float (&w)[W], const Seq& seq, float bias, bool silu) {
+  float s = __fmul_rn(w[0], seq(0));
+#pragma unroll
+  for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[j], seq(j)));
+  s = __fadd_rn(bias, s);
+  return silu ? __fdividef(s, 1.f + __expf(-s)) : s;
+}
+
 // Request n's slot, rows [bos, eos) of x and the window's first column off: their loads go out
 // together (load_index_unbranched).
 struct Request {
@@ -289,15 +303,7 @@ __device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
         for (int m = 0; m < C; ++m) {
           const float xt = A::to_state(p, win[W - 1 + t][m]);  // x as the state's dtype, as vLLM converts it
           win[W - 1 + t][m] = xt;
-          // Products summed in tap order, then the bias: the reference's order, without contraction.
-          float s = __fmul_rn(w[m][0], win[t][m]);
-#pragma unroll
-          for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[m][j], win[t + j][m]));
-          s = __fadd_rn(b[m], s);
-          // SiLU with the fast exp and division (a few fp32 ulps, under the output's rounding): the
-          // precise ones were most of a token's latency chain where few warps share an SM.
-          if (p.silu) s = __fdividef(s, 1.f + __expf(-s));
-          y[m] = A::to_state(p, s);
+          y[m] = A::to_state(p, conv_output<W>(w[m], [&](int j) { return win[t + j][m]; }, b[m], p.silu));
         }
         A::store_out(p, bos + t0 + t, c, y);
         A::store_state(p, col0, W - 2 + t0 + t, win[W - 1 + t]);
@@ -351,33 +357,19 @@ __global__ void __launch_bounds__(kConvThreads, 16) conv_update_f32_taps_ds_kern
     // Channel m's column j is element m * 3 + j of the 12.
     float e[C * (W - 1)], xt[C];
 #pragma unroll
-    for (int i = 0; i < W - 1; ++i) {
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[i].x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[i].y));
-      e[4 * i] = lo.x; e[4 * i + 1] = lo.y; e[4 * i + 2] = hi.x; e[4 * i + 3] = hi.y;
-    }
+    for (int i = 0; i < W - 1; ++i) Four<__nv_bfloat16>::widen(v[i], e + 4 * i);
     Four<__nv_bfloat16>::widen(xr, xt);
     float y[C], next[C * (W - 1)];
 #pragma unroll
     for (int m = 0; m < C; ++m) {
       const float seq[W] = {e[m * 3], e[m * 3 + 1], e[m * 3 + 2], xt[m]};
-      float s = __fmul_rn(w[m][0], seq[0]);
+      y[m] = conv_output<W>(w[m], [&](int j) { return seq[j]; }, b[m], p.silu);
 #pragma unroll
-      for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[m][j], seq[j]));
-      s = __fadd_rn(b[m], s);
-      if (p.silu) s = __fdividef(s, 1.f + __expf(-s));
-      y[m] = s;
-      next[m * 3] = seq[1];
-      next[m * 3 + 1] = seq[2];
-      next[m * 3 + 2] = seq[3];
+      for (int j = 0; j < W - 1; ++j) next[m * 3 + j] = seq[j + 1];
     }
     Four<__nv_bfloat16>::store(p.out, n * p.out_stride_row + c, y);
 #pragma unroll
-    for (int i = 0; i < W - 1; ++i) {
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(next[4 * i], next[4 * i + 1]);
-      const __nv_bfloat162 hi = __floats2bfloat162_rn(next[4 * i + 2], next[4 * i + 3]);
-      win_at[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
-    }
+    for (int i = 0; i < W - 1; ++i) Four<__nv_bfloat16>::store(win_at, 4 * i, next + 4 * i);
   }
 }
 
