@@ -89,14 +89,10 @@ __device__ __forceinline__ void tile_row_sums(const Partial& partial, int lane, 
 
 // The step of one tile group: the inputs of token row `n` (a request, or with several tokens a token
 // row), the state read from slot `src` and written to slot `dst` (DST_CHECK: not written where dst
-// is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer. STAGED: the group's rows
-// of slot `src` are read from `staged` instead, a copy in shared memory laid out as the slot's rows
-// (decode_vk_one_staged_kernel).
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool EPI = false, bool DST_CHECK = EPI,
-          bool STAGED = false>
+// is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer.
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool EPI = false, bool DST_CHECK = EPI>
 __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, int64_t hv, int64_t h, int64_t n,
-                                          int64_t src, int64_t dst, TileEpilogue* epi = nullptr,
-                                          const void* staged = nullptr) {
+                                          int64_t src, int64_t dst, TileEpilogue* epi = nullptr) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
   using Sh = WarpShape<K, ST, BW>;
@@ -107,8 +103,7 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
   const int64_t row0 = int64_t(g) * (BW * TPW);
   const int64_t o_at = n * p.out_stride_n + hv * p.out_stride_h + row0;
   const int64_t head = (hv * p.V + row0) * int64_t(K);
-  const Raw* S = STAGED ? static_cast<const Raw*>(staged)
-                        : reinterpret_cast<const Raw*>(static_cast<const ST*>(p.state) + src * p.state_stride_p + head);
+  const Raw* S = reinterpret_cast<const Raw*>(static_cast<const ST*>(p.state) + src * p.state_stride_p + head);
   Raw* D = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + dst * p.state_stride_p + head);
 
   // The tiles first: all of their loads are in flight while the gates, q and k are read.
@@ -118,10 +113,7 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) {
-        const Raw* at = S + (t * BW + r + RPP * j) * KC + i * LPR + l;
-        s[t][j][i] = STAGED ? *at : state_load<STREAM>(at);
-      }
+      for (int i = 0; i < CPL; ++i) s[t][j][i] = state_load<STREAM>(S + (t * BW + r + RPP * j) * KC + i * LPR + l);
     }
   }
   pdl_wait_late(p);  // its callers: pdl_wait_early
