@@ -1,0 +1,67 @@
+"""benchmarks/ncu_kda.py without a GPU or ncu: its table from ncu's CSV as ncu prints it (the header
+and the kernel signatures of an H200 run), one row a launch, labelled by cell."""
+
+import csv
+import io
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ncu_kda  # noqa: E402
+
+HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
+          "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit", "Metric Value"]
+CONV = "void cudelta::<unnamed>::conv_update_f32_taps_kernel<4, 2>(cudelta::ConvUpdateParams)"
+STEP = "void cudelta::<unnamed>::decode_vk_one_kernel<128, float, 8, 1, 1, 2>(cudelta::GdnDecodeParams)"
+VLLM = "void <unnamed>::kda_decode_fusion_many_heads_kernel<1, 1, 12, 12>(const __nv_bfloat16 *, int)"
+
+
+def ncu_csv(launches):
+    """launches: [(signature, grid, block, {metric: (unit, value)})] -> ncu's CSV, with the '==PROF=='
+    lines ncu prints before it."""
+    out = io.StringIO()
+    out.write("==PROF== Connected to process 866\n")
+    w = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
+    w.writerow(HEADER)
+    for i, (sig, grid, block, metrics) in enumerate(launches):
+        for name, (unit, value) in metrics.items():
+            w.writerow([str(i), "866", "python3.12", "127.0.0.1", sig, "1", "7", block, grid, "0", "9.0",
+                        "Launch Statistics", name, unit, value])
+    return out.getvalue()
+
+
+def test_kernel_names_lose_their_namespace_template_and_arguments():
+    assert ncu_kda.kernel_name(CONV) == "conv_update_f32_taps_kernel"
+    assert ncu_kda.kernel_name(STEP) == "decode_vk_one_kernel"
+    assert ncu_kda.kernel_name(VLLM) == "kda_decode_fusion_many_heads_kernel"
+
+
+def test_one_row_a_launch_in_launch_order_three_a_cell():
+    step = {"Registers Per Thread": ("register/thread", "128"), "Block Limit Registers": ("block", "2"),
+            "Waves Per SM": ("", "1.05"), "Duration": ("ns", "14,496"), "Frame Rate": ("hz", "9")}
+    vllm = {"Registers Per Thread": ("register/thread", "56"), "Static Shared Memory Per Block": ("byte/block", "36,356"),
+            "Block Limit Registers": ("block", "4"), "Achieved Occupancy": ("%", "25.46")}
+    text = ncu_csv([(CONV, "(18, 23, 1)", "(64, 1, 1)", {"Waves Per SM": ("", "0.20")}),
+                    (STEP, "(276, 1, 1)", "(256, 1, 1)", step), (VLLM, "(23, 12, 1)", "(256, 1, 1)", vllm),
+                    (CONV, "(18, 32, 1)", "(64, 1, 1)", {"Waves Per SM": ("", "0.27")})])
+    rows = ncu_kda.table(text, [(12, 23), (12, 32)]).splitlines()[2:]
+    assert len(rows) == 4
+    cols = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    heads = ["cell", "kernel", "grid", "block", *ncu_kda.METRICS.values()]
+    by = [dict(zip(heads, c)) for c in cols]
+    assert [b["cell"] for b in by] == ["H=12 B=23"] * 3 + ["H=12 B=32"]
+    assert [b["kernel"] for b in by] == ["conv_update_f32_taps_kernel", "decode_vk_one_kernel",
+                                         "kda_decode_fusion_many_heads_kernel", "conv_update_f32_taps_kernel"]
+    assert by[1]["regs"] == "128" and by[1]["blocks/SM by regs"] == "2" and by[1]["waves/SM"] == "1.05"
+    assert by[1]["duration"] == "14,496 ns" and by[1]["grid"] == "(276, 1, 1)"
+    assert by[2]["static smem"] == "36,356 B" and by[2]["achieved occ. %"] == "25.46%"
+    assert by[0]["regs"] == ""  # a metric ncu did not print for that launch stays empty
+
+
+def test_no_metrics_names_what_ncu_printed():
+    import pytest
+
+    with pytest.raises(SystemExit, match="ncu printed no metrics"):
+        ncu_kda.table("==ERROR== the application returned an error code (1)\n", [(12, 23)])
