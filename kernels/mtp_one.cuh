@@ -87,6 +87,58 @@ __global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_m
   store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
 }
 
+// decode_vk_one_staged_kernel: decode_vk_one_kernel's build of 8 warps of two 8-row tiles, the
+// second tile of each warp copied to shared memory (cp.async, issued first) and read from there
+// where it is used: registers for one tile a thread, so MIN_BLOCKS blocks (pairs) an SM are resident
+// instead of 2. With two, a grid past 2 pairs an SM ran a second wave (H200, KDA fp32, 12 heads:
+// 264 pairs 12.1 µs, 276 pairs 14.9; vLLM's fused op holds 4: benchmarks/ncu_kda.py).
+template <int K, typename ST, bool PER_CHANNEL, bool STREAM, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * kMaxOneRows / 16, MIN_BLOCKS) decode_vk_one_staged_kernel(const GdnDecodeParams p) {
+  constexpr int BW = 8;
+  using Raw = typename Chunk<ST>::Raw;
+  using Sh = WarpShape<K, ST, BW>;
+  __shared__ float s_o[kMaxOneRows];
+  __shared__ float s_sumsq[16];
+  __shared__ Raw s_tile[kMaxOneRows / (2 * BW)][BW * Sh::KC];
+  pdl_wait_early(p);  // and pdl_wait_late in warp_step
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  const int64_t n = block_request(p), hv = block_head(p);
+  const int V = static_cast<int>(p.V);
+  int64_t bos, len, start;
+  if (!head_request_span(p, n, hv, bos, len, start)) return;
+  {
+    // The lane copies the chunks warp_step reads back in it, so it waits for its own copies alone.
+    const Raw* S = reinterpret_cast<const Raw*>(static_cast<const ST*>(p.state) + start * p.state_stride_p +
+                                                (hv * p.V + int64_t(2 * warp + 1) * BW) * K);
+    const int l = lane % Sh::LPR, r = lane / Sh::LPR;
+#pragma unroll
+    for (int j = 0; j < Sh::NP; ++j) {
+#pragma unroll
+      for (int i = 0; i < Sh::CPL; ++i) {
+        const int at = (r + Sh::RPP * j) * Sh::KC + i * Sh::LPR + l;
+        cp_async16(&s_tile[warp][at], S + at);
+      }
+    }
+    cp_async_commit();
+  }
+  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
+  const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
+  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
+  TileEpilogue epi{s_o, 0.f};
+  warp_step<K, ST, BW, PER_CHANNEL, 2, STREAM, true, false, true>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos,
+                                                                  start, start, &epi, s_tile[warp]);
+  if (threadIdx.x % 32 == 0) s_sumsq[warp] = epi.sumsq;
+  __syncthreads();
+  if (!mine) return;
+  float o = s_o[threadIdx.x];
+  if (epilogue) {
+    float total = 0.f;
+    for (int i = 0; i < warps; ++i) total += s_sumsq[i];
+    o = gated_rms_norm(p, o, total, widen_bits(w_bits, p.norm_weight_dtype), widen_bits(z_bits, p.z_dtype));
+  }
+  store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
+}
+
 // The blocks an SM decode_vk_one_warp_kernel's launch bound asks for: the warp kernel's count
 // (warp_min_blocks, one-warp blocks) shared among blocks of WPB warps.
 template <int K, typename ST, int BW, int TPW, int WPB>
@@ -203,6 +255,13 @@ int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / (BW * TPW)) * 32), p, stream);
 }
 
+// The per-channel decay (KDA) only: the one build launch_vk_one takes, and the one measured.
+template <int K, typename ST, bool STREAM, int MIN_BLOCKS>
+int launch_vk_one_staged_kda(const GdnDecodeParams& p, cudaStream_t stream) {
+  return launch_decode(decode_vk_one_staged_kernel<K, ST, true, STREAM, MIN_BLOCKS>, request_head_grid(p),
+                       dim3(static_cast<unsigned>(p.V / 16) * 32), p, stream);
+}
+
 // The grid decode_vk_one_warp_kernel reads: a head's V / (BW * TPW * WPB) blocks of WPB warps along
 // x, heads along y, requests along z.
 template <int BW, int TPW, int WPB = 1>
@@ -261,7 +320,11 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 //   of two 8-row tiles (the warp kernel's build there) up to sixteen, where the separate epilogue's
 //   second launch cost more than the barrier (H200, HV=32: B=4..16 0.92-0.95x -> 1.02-1.10x vLLM's
 //   op at an older commit; two 8-row tiles against one 16-row tile, B=8 / 16 / 32 / 64 12.2 / 21.65 /
-//   38.65 / 72.05 -> 11.65 / 21.25 / 38.25 / 71.7).
+//   38.65 / 72.05 -> 11.65 / 21.25 / 38.25 / 71.7). For KDA from two pairs an SM to eight, its
+//   staged build (decode_vk_one_staged_kernel, three blocks an SM): Kimi K3's drop-in, 12 heads,
+//   step + norm 264 -> 276 pairs 12.1 -> 14.9 µs before, 13.0 -> 13.9 with it; 384 pairs 17.8 ->
+//   16.8, 768 30.8 -> 30.2, 1,536 56.5 -> 56.7; 192 pairs 10.1 -> 10.4 (results-h200-kda.md). Not
+//   timed on GDN's calls, which keep the block kernel.
 // - Elsewhere the warp kernel's builds, and the separate epilogue (gated_rms_norm_kernel).
 // Tried on the H200 and not kept: bf16 in two-warp cluster blocks (B=1-2 level to +1.6%) or in block
 // kernels of two-tile warps to eight pairs an SM (B=16 +3.5%); fp32 in clusters of 4-warp blocks of
@@ -278,6 +341,8 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (std::is_same_v<ST, float>) {
     if (pairs < sms / 2 && one_cluster_fits<8, 1, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 1, true, 2>(p, stream);
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
+    if (epilogue && p.g_per_channel && pairs > 2 * sms && pairs <= 8 * sms)
+      return launch_vk_one_staged_kda<128, ST, true, 3>(p, stream);
     if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 8, true, 2>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);

@@ -89,10 +89,15 @@ __device__ __forceinline__ void tile_row_sums(const Partial& partial, int lane, 
 
 // The step of one tile group: the inputs of token row `n` (a request, or with several tokens a token
 // row), the state read from slot `src` and written to slot `dst` (DST_CHECK: not written where dst
-// is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer.
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool EPI = false, bool DST_CHECK = EPI>
+// is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer. STAGED_LAST: the last
+// tile is not loaded into registers but read where it is used from `staged`, a copy of its rows in
+// shared memory laid out as in the slot, whose asynchronous copies (each lane's own chunks) the
+// caller issued (decode_vk_one_staged_kernel).
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool EPI = false, bool DST_CHECK = EPI,
+          bool STAGED_LAST = false>
 __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, int64_t hv, int64_t h, int64_t n,
-                                          int64_t src, int64_t dst, TileEpilogue* epi = nullptr) {
+                                          int64_t src, int64_t dst, TileEpilogue* epi = nullptr,
+                                          const typename Chunk<ST>::Raw* staged = nullptr) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
   using Sh = WarpShape<K, ST, BW>;
@@ -107,9 +112,10 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
   Raw* D = reinterpret_cast<Raw*>(static_cast<ST*>(p.state) + dst * p.state_stride_p + head);
 
   // The tiles first: all of their loads are in flight while the gates, q and k are read.
+  constexpr int HELD = STAGED_LAST ? TPW - 1 : TPW;  // tiles in registers
   Raw s[TPW][NP][CPL];
 #pragma unroll
-  for (int t = 0; t < TPW; ++t) {
+  for (int t = 0; t < HELD; ++t) {
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
 #pragma unroll
@@ -174,6 +180,12 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
     }
   }
   const float sum_decay = PER_CHANNEL ? 1.f : decay[0];
+  if constexpr (STAGED_LAST) cp_async_wait<0>();
+  // Chunk (j, i) of tile t: from registers, or the staged tile's from shared memory.
+  auto raw = [&](int t, int j, int i) -> Raw {
+    if (STAGED_LAST && t == TPW - 1) return staged[(r + RPP * j) * KC + i * LPR + l];
+    return s[t][j][i];
+  };
 
   // Per tile: the row partial sums, reduced by tile_row_sums.
 #pragma unroll
@@ -184,7 +196,7 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
         float x[E];
-        C::widen(s[t][j][i], x);
+        C::widen(raw(t, j, i), x);
 #pragma unroll
         for (int m = 0; m < E; ++m) {
           pk += x[m] * kd[i][m];
@@ -205,10 +217,12 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
     }
     if (DST_CHECK && !slot_valid(p, dst)) continue;
 
+    if (!STAGED_LAST || t < TPW - 1) {
 #pragma unroll
-    for (int j = 0; j < NP; ++j) {
+      for (int j = 0; j < NP; ++j) {
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) opaque(s[t][j][i]);
+        for (int i = 0; i < CPL; ++i) opaque(s[t][j][i]);
+      }
     }
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
@@ -216,7 +230,7 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
         float x[E];
-        C::widen(s[t][j][i], x);
+        C::widen(raw(t, j, i), x);
 #pragma unroll
         for (int m = 0; m < E; ++m) x[m] = x[m] * decay[i * E + m] + kv[i][m] * us;
         state_store<STREAM>(D + (t * BW + r + RPP * j) * KC + i * LPR + l, C::narrow(x));

@@ -22,7 +22,7 @@ ROOT = shipped.SOURCE_ROOT
 # kernel (the call with one draft token, and fp32 state's with up to three, in small grids) and the
 # one-token kernels (vLLM's call at T = 1).
 PINNED = re.compile(r"decode_mtp_stream_kernelILb1ELi128E(13__nv_bfloat16|f)Lb0E"
-                    r"|decode_vk_(one|one_warp|few)_kernelILi128E")
+                    r"|decode_vk_(one|one_warp|one_staged|few)_kernelILi128E")
 
 
 def ptxas_spill_stores(unit: str, arch: str, out_dir) -> dict[str, int]:
