@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+import ncu_mtp  # noqa: E402
 
 KERNELS = "regex:conv_update|decode_vk|kda|Kda|KDA"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy")
@@ -69,13 +70,6 @@ def workload(heads: list[int], batches: list[int]) -> None:
 UNITS = {"register/thread": "", "block": "", "byte/block": " B", "%": "%", "ns": " ns", "": ""}
 
 
-def kernel_name(signature: str) -> str:
-    """'void cudelta::<unnamed>::decode_vk_one_kernel<128, ...>(cudelta::GdnDecodeParams)' ->
-    'decode_vk_one_kernel'."""
-    name = signature.replace("<unnamed>::", "").removeprefix("void ")
-    return re.split(r"[<(]", name)[0].split("::")[-1]
-
-
 def table(text: str, cells: list[tuple[int, int]]) -> str:
     """ncu's --csv --page details output -> one row a launch, in launch order: three a cell
     (cudelta's conv, cudelta's step, vLLM's op), labelled with `cells` in the workload's order."""
@@ -84,7 +78,7 @@ def table(text: str, cells: list[tuple[int, int]]) -> str:
         raise SystemExit("ncu_kda: ncu printed no metrics\n" + text[-3000:])
     launches: dict[str, dict] = {}
     for rec in csv.DictReader(io.StringIO(text[start:])):
-        row = launches.setdefault(rec["ID"], {"kernel": kernel_name(rec["Kernel Name"]),
+        row = launches.setdefault(rec["ID"], {"kernel": ncu_mtp.short_name(rec["Kernel Name"]),
                                               "grid": rec.get("Grid Size", ""), "block": rec.get("Block Size", "")})
         if rec.get("Metric Name") in METRICS:
             unit = rec.get("Metric Unit", "")

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ncu_kda  # noqa: E402
+import ncu_mtp  # noqa: E402
 
 HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
           "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit", "Metric Value"]
@@ -33,9 +34,10 @@ def ncu_csv(launches):
 
 
 def test_kernel_names_lose_their_namespace_template_and_arguments():
-    assert ncu_kda.kernel_name(CONV) == "conv_update_f32_taps_kernel"
-    assert ncu_kda.kernel_name(STEP) == "decode_vk_one_kernel"
-    assert ncu_kda.kernel_name(VLLM) == "kda_decode_fusion_many_heads_kernel"
+    # ncu_kda names launches with ncu_mtp's short_name; these are the signatures its table meets.
+    assert ncu_mtp.short_name(CONV) == "conv_update_f32_taps_kernel"
+    assert ncu_mtp.short_name(STEP) == "decode_vk_one_kernel"
+    assert ncu_mtp.short_name(VLLM) == "kda_decode_fusion_many_heads_kernel"
 
 
 def test_one_row_a_launch_in_launch_order_three_a_cell():
