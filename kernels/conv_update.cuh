@@ -27,6 +27,17 @@ constexpr int kConvThreads = 64;
 // B = 512 where it had been 0.9x (benchmarks/results-h200-conv.md).
 constexpr int kConvTokenBatch = 8;
 constexpr int kConvShortBatch = 2;
+// The shared-memory split the KDA layer step's conv (the fp32-taps builds, which only
+// cudelta.vllm_compat.fused_kda_decode launches) asks for, as a percentage of an SM's most: 57% of
+// an H100's, H200's or B200's 228 KB is their 132 KB split, the one the step's staged kernel runs in
+// (three blocks of 33 KB an SM, each with the 1 KB the driver keeps; tests/unit/test_kernel_spills.py
+// holds it to that). The conv needs no shared memory itself; left to the driver it ran in another
+// split, and the step's blocks, launched early by programmatic dependent launch, waited for the SM
+// to drain and change it: 0.4-0.5 µs at 384 pairs, 2.9 an SM, where the staged kernel runs
+// (benchmarks/results-h200-kda.md, "The conv's split"). The other kernels keep the driver's split:
+// at 57% on every conv and step launch, KDA's drop-in lost 0.3-0.6 µs from 1,056 pairs and GDN's
+// steps at B = 32 10-16% (less L1).
+constexpr int kKdaConvCarveout = 57;
 
 // Four consecutive elements of T (float, __nv_bfloat16 or __half) as one 16- or 8-byte vector: raw
 // loads first, widened after, so a thread's loads go out together and it waits once. (A load whose
@@ -385,6 +396,8 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
   cfg.numAttrs = add_pdl(p.pdl, attr, 0);
+  if constexpr (DS) prefer_carveout<conv_update_f32_taps_ds_kernel>(kKdaConvCarveout);
+  else if constexpr (F32_TAPS) prefer_carveout<conv_update_f32_taps_kernel<W, TB>>(kKdaConvCarveout);
   if constexpr (DS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_ds_kernel, p));
   else if constexpr (F32_TAPS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_kernel<W, TB>, p));
   else return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T, TB>, p));

@@ -4,7 +4,8 @@ and the kernel 30% slower (benchmarks/results-h200-mtp.md): ptxas's own count, w
 nvcc flags, catches that before a GPU does. For sm_90a (the GPUs the benchmarks measure), sm_80
 (the release's cubin for 8.x GPUs, where the streaming kernel spilled 48-152 bytes a thread until
 its reload addresses were kept out of registers; no such GPU here to time it on), and the bf16
-builds of sm_100 and sm_120."""
+builds of sm_100 and sm_120. And the staged KDA step kernel's shared memory, which the split the
+KDA conv asks the driver for is sized to."""
 
 import os
 import re
@@ -25,21 +26,24 @@ PINNED = re.compile(r"decode_mtp_stream_kernelILb1ELi128E(13__nv_bfloat16|f)Lb0E
                     r"|decode_vk_(one|one_warp|one_staged|few)_kernelILi128E")
 
 
-def ptxas_spill_stores(unit: str, arch: str, out_dir) -> dict[str, int]:
-    """Kernel (mangled name) -> bytes of spill stores, as `ptxas -v` reports them for one unit."""
+def ptxas_report(unit: str, arch: str, out_dir) -> tuple[dict[str, int], dict[str, int]]:
+    """Kernel (mangled name) -> bytes of spill stores, and -> bytes of static shared memory, as
+    `ptxas -v` reports them for one unit."""
     toolkit, why_not = toolchain.find_cuda("linux", os.environ)  # the nvcc a local build would use
     if toolkit is None:
         pytest.skip(why_not)
     flags = native.nvcc_flags(native.parse_archs([arch]), compress=False, threads=1)
     run = subprocess.run([toolkit.nvcc, *flags, "-Xptxas", "-v", "-cubin", "-o", str(out_dir / "unit.cubin"),
                           str(ROOT / "kernels" / "units" / unit)], capture_output=True, text=True, check=True)
-    spills, name = {}, None
+    spills, smem, name = {}, {}, None
     for line in run.stderr.splitlines():
         if m := re.search(r"Function properties for (\S+)", line):
             name = m.group(1)
         elif (m := re.search(r"(\d+) bytes spill stores", line)) and name:
-            spills[name], name = int(m.group(1)), None
-    return spills
+            spills[name] = int(m.group(1))
+        elif (m := re.search(r"Used \d+ registers.*?(\d+) bytes smem", line)) and name:
+            smem[name], name = int(m.group(1)), None
+    return spills, smem
 
 
 # sm_100 and sm_120 for bf16 state only (vLLM's default): their fp32 streaming build holds a few
@@ -66,16 +70,29 @@ def allowed_bytes(arch: str, name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def spill_stores(request, tmp_path_factory):
+def ptxas(request, tmp_path_factory):
     """(unit, arch) -> ptxas's report, for every build this run's selected tests read, compiled side by
     side: each is one ptxas on one core (on CI's 2 cores, 1.6 minutes; one after another, 4)."""
     wanted = sorted({(item.callspec.params["unit"], item.callspec.params["arch"])
-                     for item in request.session.items if "spill_stores" in item.fixturenames})
-    with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1)) as pool:
-        futures = {(unit, arch): pool.submit(ptxas_spill_stores, unit, arch, tmp_path_factory.mktemp("ptxas"))
+                     for item in request.session.items
+                     if {"spill_stores", "shared_memory"} & set(getattr(item, "fixturenames", ()))})
+    with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), os.cpu_count() or 1))) as pool:
+        futures = {(unit, arch): pool.submit(ptxas_report, unit, arch, tmp_path_factory.mktemp("ptxas"))
                    for unit, arch in wanted}
     # A missing nvcc skips, a failed compile fails: in the test that reads that build, as it raised.
     return lambda unit, arch: futures[unit, arch].result()
+
+
+@pytest.fixture(scope="module")
+def spill_stores(ptxas):
+    """(unit, arch) -> kernel -> bytes of spill stores."""
+    return lambda unit, arch: ptxas(unit, arch)[0]
+
+
+@pytest.fixture(scope="module")
+def shared_memory(ptxas):
+    """(unit, arch) -> kernel -> bytes of static shared memory."""
+    return lambda unit, arch: ptxas(unit, arch)[1]
 
 
 @pytest.mark.parametrize("arch, unit", BUILDS)
@@ -106,3 +123,21 @@ def test_every_build_of_the_conv_update_spills_nothing(unit, arch, spill_stores)
     # on SD pages and on DS pages (whole windows, one token a row).
     taps = {name: n for name, n in spill_stores(unit, arch).items() if "conv_update_f32_taps" in name}
     assert list(taps.values()) == [0, 0], taps
+
+
+@pytest.mark.parametrize("arch, unit", [("9.0a", "mtp_float32.cu")])
+def test_the_kda_convs_split_holds_three_staged_step_blocks(unit, arch, shared_memory):
+    # The KDA layer step's conv asks for the shared-memory split the staged step kernel after it runs
+    # in (kKdaConvCarveout, kernels/conv_update.cuh), so that the SM need not drain to change splits
+    # between them. That split must hold the step's three blocks an SM: their static shared memory
+    # and the 1 KB the driver keeps for each, within the percentage of an sm_90's 228 KB.
+    source = (ROOT / "kernels" / "conv_update.cuh").read_text()
+    percent = int(re.search(r"constexpr int kKdaConvCarveout = (\d+);", source).group(1))
+    staged = {name: n for name, n in shared_memory(unit, arch).items()
+              if "decode_vk_one_staged_kernel" in name and name.endswith("Li3EEEvNS_15GdnDecodeParamsE")}
+    assert len(staged) == 1, staged
+    (smem,) = staged.values()
+    needed, asked = 3 * (smem + 1024), percent * 228 * 1024 // 100
+    # The driver rounds a percentage up to the next split it has (100, 132, 164 KB ...): asking for
+    # at most 132 KB takes the 132 KB split, which the three blocks need (100 KB would not hold them).
+    assert 100 * 1024 < needed <= asked <= 132 * 1024, (smem, percent)
