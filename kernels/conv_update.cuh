@@ -27,17 +27,19 @@ constexpr int kConvThreads = 64;
 // B = 512 where it had been 0.9x (benchmarks/results-h200-conv.md).
 constexpr int kConvTokenBatch = 8;
 constexpr int kConvShortBatch = 2;
-// The shared-memory split the KDA layer step's conv (the fp32-taps builds, which only
-// cudelta.vllm_compat.fused_kda_decode launches) asks for, as a percentage of an SM's most: 57% of
-// an H100's, H200's or B200's 228 KB is their 132 KB split, the one the step's staged kernel runs in
-// (three blocks of 33 KB an SM, each with the 1 KB the driver keeps; tests/unit/test_kernel_spills.py
-// holds it to that). The conv needs no shared memory itself; left to the driver it ran in another
-// split, and the step's blocks, launched early by programmatic dependent launch, waited for the SM
-// to drain and change it: 0.4-0.5 µs at 384 pairs, 2.9 an SM, where the staged kernel runs
-// (benchmarks/results-h200-kda.md, "The conv's split"). The other kernels keep the driver's split:
-// at 57% on every conv and step launch, KDA's drop-in lost 0.3-0.6 µs from 1,056 pairs and GDN's
-// steps at B = 32 10-16% (less L1).
-constexpr int kKdaConvCarveout = 57;
+// The shared-memory split every conv build asks the driver for, as a percentage of an SM's most:
+// 57% of an H100's, H200's or B200's 228 KB is their 132 KB split. The conv needs no shared memory
+// itself, but an SM changes its split only once drained: left to the driver the conv ran in a small
+// one, and the step's blocks that need more, launched early by programmatic dependent launch to load
+// their state under the conv, waited for the conv's last block on their SM instead. 132 KB holds
+// KDA's staged one-token kernel three blocks an SM (33 KB each with the 1 KB the driver keeps;
+// tests/unit/test_kernel_spills.py holds it to that) and GDN's multi-token kernels' 13-42 KB blocks.
+// H200 (benchmarks/results-h200-kda.md, "The conv's split"): KDA's drop-in 0.4-0.5 µs faster at 384
+// pairs and level elsewhere; GDN's conv + MTP call with bf16 state 0.8-0.9 µs faster at B = 8, T = 4
+// and 8, with fp32 state 0.1-0.2 µs slower there (a step that fits the conv's split runs in it, with
+// less L1). At 100% GDN's call at B = 32 lost 2.6 µs; at 57% on the step's launches too, the larger
+// grids lost their L1.
+constexpr int kConvCarveout = 57;
 
 // Four consecutive elements of T (float, __nv_bfloat16 or __half) as one 16- or 8-byte vector: raw
 // loads first, widened after, so a thread's loads go out together and it waits once. (A load whose
@@ -396,8 +398,9 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
   cfg.numAttrs = add_pdl(p.pdl, attr, 0);
-  if constexpr (DS) prefer_carveout<conv_update_f32_taps_ds_kernel>(kKdaConvCarveout);
-  else if constexpr (F32_TAPS) prefer_carveout<conv_update_f32_taps_kernel<W, TB>>(kKdaConvCarveout);
+  if constexpr (DS) prefer_carveout<conv_update_f32_taps_ds_kernel>(kConvCarveout);
+  else if constexpr (F32_TAPS) prefer_carveout<conv_update_f32_taps_kernel<W, TB>>(kConvCarveout);
+  else prefer_carveout<conv_update_kernel<W, T, TB>>(kConvCarveout);
   if constexpr (DS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_ds_kernel, p));
   else if constexpr (F32_TAPS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_kernel<W, TB>, p));
   else return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T, TB>, p));

@@ -126,13 +126,13 @@ def test_every_build_of_the_conv_update_spills_nothing(unit, arch, spill_stores)
 
 
 @pytest.mark.parametrize("arch, unit", [("9.0a", "mtp_float32.cu")])
-def test_the_kda_convs_split_holds_three_staged_step_blocks(unit, arch, shared_memory):
+def test_the_convs_split_holds_three_staged_kda_step_blocks(unit, arch, shared_memory):
     # The KDA layer step's conv asks for the shared-memory split the staged step kernel after it runs
-    # in (kKdaConvCarveout, kernels/conv_update.cuh), so that the SM need not drain to change splits
+    # in (kConvCarveout, kernels/conv_update.cuh), so that the SM need not drain to change splits
     # between them. That split must hold the step's three blocks an SM: their static shared memory
     # and the 1 KB the driver keeps for each, within the percentage of an sm_90's 228 KB.
     source = (ROOT / "kernels" / "conv_update.cuh").read_text()
-    percent = int(re.search(r"constexpr int kKdaConvCarveout = (\d+);", source).group(1))
+    percent = int(re.search(r"constexpr int kConvCarveout = (\d+);", source).group(1))
     staged = {name: n for name, n in shared_memory(unit, arch).items()
               if "decode_vk_one_staged_kernel" in name and name.endswith("Li3EEEvNS_15GdnDecodeParamsE")}
     assert len(staged) == 1, staged
