@@ -4,8 +4,8 @@ and the kernel 30% slower (benchmarks/results-h200-mtp.md): ptxas's own count, w
 nvcc flags, catches that before a GPU does. For sm_90a (the GPUs the benchmarks measure), sm_80
 (the release's cubin for 8.x GPUs, where the streaming kernel spilled 48-152 bytes a thread until
 its reload addresses were kept out of registers; no such GPU here to time it on), and the bf16
-builds of sm_100 and sm_120. And the staged KDA step kernel's shared memory, which the split the
-KDA conv asks the driver for is sized to."""
+builds of sm_100 and sm_120. And the staged KDA step kernel's shared memory, which the split every
+conv asks the driver for is sized to."""
 
 import os
 import re
@@ -127,8 +127,8 @@ def test_every_build_of_the_conv_update_spills_nothing(unit, arch, spill_stores)
 
 @pytest.mark.parametrize("arch, unit", [("9.0a", "mtp_float32.cu")])
 def test_the_convs_split_holds_three_staged_kda_step_blocks(unit, arch, shared_memory):
-    # The KDA layer step's conv asks for the shared-memory split the staged step kernel after it runs
-    # in (kConvCarveout, kernels/conv_update.cuh), so that the SM need not drain to change splits
+    # Every conv asks for the shared-memory split KDA's staged step kernel after it runs in
+    # (kConvCarveout, kernels/conv_update.cuh), so that the SM need not drain to change splits
     # between them. That split must hold the step's three blocks an SM: their static shared memory
     # and the 1 KB the driver keeps for each, within the percentage of an sm_90's 228 KB.
     source = (ROOT / "kernels" / "conv_update.cuh").read_text()
