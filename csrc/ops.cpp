@@ -597,6 +597,7 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
   p.L = L;
   p.null_block_id = null_block_id;
   p.silu = silu;
+  p.device = device;
   // Runs of 4 channels as vectors: each run's bytes aligned to their size in x, out and the state.
   const auto run_aligned = [](const Tensor& t, std::initializer_list<int64_t> strides) {
     const int64_t run = 4 * static_cast<int64_t>(t.element_size());

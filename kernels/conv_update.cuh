@@ -398,12 +398,13 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
   cfg.numAttrs = add_pdl(p.pdl, attr, 0);
-  if constexpr (DS) prefer_carveout<conv_update_f32_taps_ds_kernel>(kConvCarveout);
-  else if constexpr (F32_TAPS) prefer_carveout<conv_update_f32_taps_kernel<W, TB>>(kConvCarveout);
-  else prefer_carveout<conv_update_kernel<W, T, TB>>(kConvCarveout);
-  if constexpr (DS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_ds_kernel, p));
-  else if constexpr (F32_TAPS) return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_f32_taps_kernel<W, TB>, p));
-  else return static_cast<int>(cudaLaunchKernelEx(&cfg, conv_update_kernel<W, T, TB>, p));
+  constexpr auto kernel = [] {
+    if constexpr (DS) return &conv_update_f32_taps_ds_kernel;
+    else if constexpr (F32_TAPS) return &conv_update_f32_taps_kernel<W, TB>;
+    else return &conv_update_kernel<W, T, TB>;
+  }();
+  prefer_carveout<kernel>(p.device, kConvCarveout);
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 // Four channels a thread as vectors where p.vec holds (the dtypes agree, every run is aligned);

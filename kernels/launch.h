@@ -148,6 +148,7 @@ struct ConvUpdateParams {
   int64_t N, dim, width, state_len, slots, L, null_block_id;
   bool silu;
   bool pdl;  // launched with programmatic dependent launch (sm_90+ images)
+  int device;  // the CUDA device of the tensors (current while launching)
   // x, the state, the weight and the bias share one dtype, every run of 4 channels from a multiple
   // of 4 is aligned to its size in x, out, the bias and each column of the conv state (channels
   // contiguous there, cs_dim 1), and the weight is a contiguous [dim, width] on 8 bytes: a thread

@@ -50,18 +50,13 @@ int allow_dynamic_smem(int device, size_t bytes) {
   return static_cast<int>(err);
 }
 
-// Asks the driver to run `Kernel` in the shared-memory / L1 split that gives shared memory
-// `percent` of the most an SM has (cudaFuncAttributePreferredSharedMemoryCarveout, a hint): set once
-// per kernel and device (the current one). Returns the cudaError_t; an error is cleared, so that no
-// later launch check reports it (the launch runs in the driver's own split).
+// Asks the driver to run `Kernel` on `device` in the shared-memory / L1 split that gives shared
+// memory `percent` of the most an SM has (cudaFuncAttributePreferredSharedMemoryCarveout, a hint):
+// set once per kernel and device. Returns the cudaError_t; an error is cleared, so that no later
+// launch check reports it (the launch then runs in the driver's own split).
 template <auto Kernel>
-int prefer_carveout(int percent) {
+int prefer_carveout(int device, int percent) {
   static bool set[64] = {};
-  int device = -1;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
   if (device >= 0 && device < 64 && set[device]) return 0;
   const cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent);
   if (err != cudaSuccess) (void)cudaGetLastError();
