@@ -86,7 +86,10 @@ def test_failing_gpu_tests_fail_the_call_but_the_tables_are_still_made(tmp_path)
 
 
 def test_stop_after_starts_no_shape_past_it(tmp_path):
-    result, out = run_tables(tmp_path, "16/32 4/8 32/32", TESTS="none", STOP_AFTER="0", FAKE_BENCH_S="1.1")
+    # The script counts whole seconds of `date`: the first shape's check reads 0 or 1 (a second may
+    # turn over during the build), the second's at least 2 after a 2.1 s shape, so a limit of 1 s
+    # lets exactly one start whichever way the seconds fall.
+    result, out = run_tables(tmp_path, "16/32 4/8 32/32", TESTS="none", STOP_AFTER="1", FAKE_BENCH_S="2.1")
     assert result.returncode == 0, result.stderr
     assert "stopped before 4/8 (STOP_AFTER)" in result.stdout
     assert set(archived(out)) == {"mtp-16-32.json"}
