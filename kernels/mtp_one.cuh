@@ -56,6 +56,36 @@ __host__ __device__ constexpr int one_kernel_threads() {
   return TPW == 1 ? 512 : 32 * kMaxOneRows / (BW * TPW);
 }
 
+// The outputs of the block kernels (blockDim >= V: thread v owns output v): the epilogue's z and w
+// of this thread's output, loaded before the step (one_block_inputs), then, after the step has left
+// the outputs in shared memory, each warp's sum of squares, one barrier, and the outputs, normed
+// when the epilogue is on (one_block_store).
+struct OneBlockOutput {
+  bool epilogue, mine;
+  uint32_t z_bits, w_bits;
+};
+
+__device__ __forceinline__ OneBlockOutput one_block_inputs(const GdnDecodeParams& p, int V, int64_t bos, int64_t hv) {
+  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
+  const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
+  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
+  return {epilogue, mine, z_bits, w_bits};
+}
+
+__device__ __forceinline__ void one_block_store(const GdnDecodeParams& p, const OneBlockOutput& out, int warp, int warps,
+                                                int64_t bos, int64_t hv, const float* s_o, float* s_sumsq, float sumsq) {
+  if (threadIdx.x % 32 == 0) s_sumsq[warp] = sumsq;
+  __syncthreads();
+  if (!out.mine) return;
+  float o = s_o[threadIdx.x];
+  if (out.epilogue) {
+    float total = 0.f;
+    for (int i = 0; i < warps; ++i) total += s_sumsq[i];
+    o = gated_rms_norm(p, o, total, widen_bits(out.w_bits, p.norm_weight_dtype), widen_bits(out.z_bits, p.z_dtype));
+  }
+  store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
+}
+
 template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1>
 __global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW, TPW>()))
     decode_vk_one_kernel(const GdnDecodeParams p) {
@@ -68,23 +98,11 @@ __global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_m
   const int V = static_cast<int>(p.V);
   int64_t bos, len, start;
   if (!head_request_span(p, n, hv, bos, len, start)) return;
-  // The epilogue's z and w of this thread's output (blockDim >= V: BW <= 32 rows a warp).
-  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
-  const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
-  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
+  const OneBlockOutput out = one_block_inputs(p, V, bos, hv);
   TileEpilogue epi{s_o, 0.f};
   warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start,
                                                             start, &epi);
-  if (threadIdx.x % 32 == 0) s_sumsq[warp] = epi.sumsq;
-  __syncthreads();
-  if (!mine) return;
-  float o = s_o[threadIdx.x];
-  if (epilogue) {
-    float total = 0.f;
-    for (int i = 0; i < warps; ++i) total += s_sumsq[i];
-    o = gated_rms_norm(p, o, total, widen_bits(w_bits, p.norm_weight_dtype), widen_bits(z_bits, p.z_dtype));
-  }
-  store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
+  one_block_store(p, out, warp, warps, bos, hv, s_o, s_sumsq, epi.sumsq);
 }
 
 // decode_vk_one_staged_kernel: decode_vk_one_kernel's build of 8 warps of two 8-row tiles, the
@@ -121,22 +139,11 @@ __global__ void __launch_bounds__(32 * kMaxOneRows / 16, MIN_BLOCKS) decode_vk_o
     }
     cp_async_commit();
   }
-  const bool epilogue = p.gate_activation > 0, mine = threadIdx.x < V;
-  const uint32_t z_bits = epilogue && mine ? load_bits(p.z, p.z_dtype, bos * p.z_stride_n + hv * p.z_stride_h + threadIdx.x) : 0u;
-  const uint32_t w_bits = epilogue && mine ? load_bits(p.norm_weight, p.norm_weight_dtype, threadIdx.x) : 0u;
+  const OneBlockOutput out = one_block_inputs(p, V, bos, hv);
   TileEpilogue epi{s_o, 0.f};
   warp_step<K, ST, BW, PER_CHANNEL, 2, STREAM, true, false, true>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos,
                                                                   start, start, &epi, s_tile[warp]);
-  if (threadIdx.x % 32 == 0) s_sumsq[warp] = epi.sumsq;
-  __syncthreads();
-  if (!mine) return;
-  float o = s_o[threadIdx.x];
-  if (epilogue) {
-    float total = 0.f;
-    for (int i = 0; i < warps; ++i) total += s_sumsq[i];
-    o = gated_rms_norm(p, o, total, widen_bits(w_bits, p.norm_weight_dtype), widen_bits(z_bits, p.z_dtype));
-  }
-  store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
+  one_block_store(p, out, warp, warps, bos, hv, s_o, s_sumsq, epi.sumsq);
 }
 
 // The blocks an SM decode_vk_one_warp_kernel's launch bound asks for: the warp kernel's count
@@ -255,10 +262,9 @@ int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / (BW * TPW)) * 32), p, stream);
 }
 
-// The per-channel decay (KDA) only: the one build launch_vk_one takes, and the one measured.
-template <int K, typename ST, bool STREAM, int MIN_BLOCKS>
-int launch_vk_one_staged_kda(const GdnDecodeParams& p, cudaStream_t stream) {
-  return launch_decode(decode_vk_one_staged_kernel<K, ST, true, STREAM, MIN_BLOCKS>, request_head_grid(p),
+template <int K, typename ST, bool PER_CHANNEL, bool STREAM, int MIN_BLOCKS>
+int launch_vk_one_staged(const GdnDecodeParams& p, cudaStream_t stream) {
+  return launch_decode(decode_vk_one_staged_kernel<K, ST, PER_CHANNEL, STREAM, MIN_BLOCKS>, request_head_grid(p),
                        dim3(static_cast<unsigned>(p.V / 16) * 32), p, stream);
 }
 
@@ -323,8 +329,14 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 //   38.65 / 72.05 -> 11.65 / 21.25 / 38.25 / 71.7). For KDA from two pairs an SM to eight, its
 //   staged build (decode_vk_one_staged_kernel, three blocks an SM): Kimi K3's drop-in, 12 heads,
 //   step + norm 264 -> 276 pairs 12.1 -> 14.9 µs before, 13.0 -> 13.9 with it; 384 pairs 17.8 ->
-//   16.8, 768 30.8 -> 30.2, 1,536 56.5 -> 56.7; 192 pairs 10.1 -> 10.4 (results-h200-kda.md). Not
-//   timed on GDN's calls, which keep the block kernel.
+//   16.8, 768 30.8 -> 30.2, 1,536 56.5 -> 56.7; 192 pairs 10.1 -> 10.4 (results-h200-kda.md).
+// - fp32 with the epilogue past that, the staged build with plain state loads: KDA past eight pairs
+//   an SM, GDN past sixteen, instead of the block kernel and the one-warp grid with the separate
+//   epilogue (H200, the drop-in, 12/24/48/96 heads: 1,536 pairs 61.5 / 60.3 -> 60.3 / 59.4 µs, 3,072
+//   115.5 / 114.3 -> 113.0 / 111.7, 6,144 224.4 / 220.9 -> 221.1 / 217.7, 49,152 1700.5 -> 1682.4;
+//   GDN 16/32 B=128 / 256 / 512 140.8 / 274.1 / 544.2 -> 139.2 / 272.7 / 539.7, but B=8-64 0.3-0.8
+//   µs slower). Its evict-first build lost there (1,536-6,144 pairs +0.8-2.6%), the plain one lost
+//   at two to eight pairs an SM (384 pairs +0.4-0.6 µs, 768 +0.8-1.6).
 // - Elsewhere the warp kernel's builds, and the separate epilogue (gated_rms_norm_kernel).
 // Tried on the H200 and not kept: bf16 in two-warp cluster blocks (B=1-2 level to +1.6%) or in block
 // kernels of two-tile warps to eight pairs an SM (B=16 +3.5%); fp32 in clusters of 4-warp blocks of
@@ -342,8 +354,10 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
     if (pairs < sms / 2 && one_cluster_fits<8, 1, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 1, true, 2>(p, stream);
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
     if (epilogue && p.g_per_channel && pairs > 2 * sms && pairs <= 8 * sms)
-      return launch_vk_one_staged_kda<128, ST, true, 3>(p, stream);
+      return launch_vk_one_staged<128, ST, true, true, 3>(p, stream);
+    if (epilogue && p.g_per_channel && pairs > 8 * sms) return launch_vk_one_staged<128, ST, true, false, 3>(p, stream);
     if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 8, true, 2>(p, stream);
+    if (epilogue) return launch_vk_one_staged<128, ST, false, false, 3>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);

@@ -122,16 +122,20 @@ def test_one_token_with_the_epilogue_only(case):
 # from this GPU's SM count so that the (request, value head) pairs land inside each range of the
 # one-token launch rule (kernels/mtp_one.cuh, launch_vk_one: <= sms/2, <= sms, <= 2, 8, 16, 32, 64
 # sms, more; with the epilogue the first is the clustered one-warp grid on sm_90+): each range runs
-# another kernel or build, and each must compute the same step.
+# another kernel or build, and each must compute the same step. KDA's (Kimi-Linear's 32 heads, an
+# fp32 state and the epilogue, as vLLM's Kimi layers call it) has ranges of its own: its staged
+# build from 2 to 8 sms, with plain loads past that.
 PAIRS_PER_SM = (0.4, 0.9, 3, 10, 40, 70)
-ONE_TOKEN_RANGES = ([(state, x, "silu") for state in ("bf16", "fp32") for x in PAIRS_PER_SM]
-                    + [(state, x, "none") for state in ("bf16", "fp32") for x in (0.9, 3)])
+ONE_TOKEN_RANGES = ([("gdn", state, x, "silu") for state in ("bf16", "fp32") for x in PAIRS_PER_SM]
+                    + [("gdn", state, x, "none") for state in ("bf16", "fp32") for x in (0.9, 3)]
+                    + [("kda", "fp32", x, "sigmoid") for x in (0.4, 0.9, 1.5, 3, 10, 20, 70)])
 
 
-@pytest.mark.parametrize("state,pairs_per_sm,epilogue", ONE_TOKEN_RANGES)
-def test_one_token_calls_in_every_range_of_the_launch_rule(state, pairs_per_sm, epilogue):
+@pytest.mark.parametrize("kind,state,pairs_per_sm,epilogue", ONE_TOKEN_RANGES)
+def test_one_token_calls_in_every_range_of_the_launch_rule(kind, state, pairs_per_sm, epilogue):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    case = mc.Case(H=16, tokens="single", state=state, epilogue=epilogue, seed=530)
+    case = mc.Case(kind=kind, H=16 if kind == "gdn" else 32, group=2 if kind == "gdn" else 1, tokens="single",
+                   state=state, epilogue=epilogue, seed=530)
     n = max(1, int(pairs_per_sm * sms / (case.H * case.group)))
     mc.run_and_check(replace(case, N=n), DEVICE)
 
