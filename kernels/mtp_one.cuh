@@ -337,7 +337,8 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 //   GDN 16/32 B=128 / 256 / 512 140.8 / 274.1 / 544.2 -> 139.2 / 272.7 / 539.7, but B=8-64 0.3-0.8
 //   µs slower). Its evict-first build lost there (1,536-6,144 pairs +0.8-2.6%), the plain one lost
 //   at two to eight pairs an SM (384 pairs +0.4-0.6 µs, 768 +0.8-1.6).
-// - Elsewhere the warp kernel's builds, and the separate epilogue (gated_rms_norm_kernel).
+// - Elsewhere the warp kernel's builds, and the separate epilogue (gated_rms_norm_kernel): every call
+//   without the epilogue, and with it below half a pair an SM on images without clusters (sm_80).
 // Tried on the H200 and not kept: bf16 in two-warp cluster blocks (B=1-2 level to +1.6%) or in block
 // kernels of two-tile warps to eight pairs an SM (B=16 +3.5%); fp32 in clusters of 4-warp blocks of
 // 4 rows a warp (the decode alone's tile; B=1 worse than two warps of 8), in 32-warp block kernels at
@@ -357,7 +358,7 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
       return launch_vk_one_staged<128, ST, true, true, 3>(p, stream);
     if (epilogue && p.g_per_channel && pairs > 8 * sms) return launch_vk_one_staged<128, ST, true, false, 3>(p, stream);
     if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 8, true, 2>(p, stream);
-    if (epilogue) return launch_vk_one_staged<128, ST, false, false, 3>(p, stream);
+    if (epilogue && !p.g_per_channel && pairs > 16 * sms) return launch_vk_one_staged<128, ST, false, false, 3>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
