@@ -262,10 +262,11 @@ int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / (BW * TPW)) * 32), p, stream);
 }
 
-template <int K, typename ST, bool PER_CHANNEL, bool STREAM, int MIN_BLOCKS>
+template <int K, typename ST, bool STREAM, int MIN_BLOCKS>
 int launch_vk_one_staged(const GdnDecodeParams& p, cudaStream_t stream) {
-  return launch_decode(decode_vk_one_staged_kernel<K, ST, PER_CHANNEL, STREAM, MIN_BLOCKS>, request_head_grid(p),
-                       dim3(static_cast<unsigned>(p.V / 16) * 32), p, stream);
+  auto kernel = p.g_per_channel ? decode_vk_one_staged_kernel<K, ST, true, STREAM, MIN_BLOCKS>
+                                : decode_vk_one_staged_kernel<K, ST, false, STREAM, MIN_BLOCKS>;
+  return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / 16) * 32), p, stream);
 }
 
 // The grid decode_vk_one_warp_kernel reads: a head's V / (BW * TPW * WPB) blocks of WPB warps along
@@ -355,10 +356,10 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
     if (pairs < sms / 2 && one_cluster_fits<8, 1, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 1, true, 2>(p, stream);
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
     if (epilogue && p.g_per_channel && pairs > 2 * sms && pairs <= 8 * sms)
-      return launch_vk_one_staged<128, ST, true, true, 3>(p, stream);
-    if (epilogue && p.g_per_channel && pairs > 8 * sms) return launch_vk_one_staged<128, ST, true, false, 3>(p, stream);
+      return launch_vk_one_staged<128, ST, true, 3>(p, stream);
+    if (epilogue && p.g_per_channel && pairs > 8 * sms) return launch_vk_one_staged<128, ST, false, 3>(p, stream);
     if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 8, true, 2>(p, stream);
-    if (epilogue && !p.g_per_channel && pairs > 16 * sms) return launch_vk_one_staged<128, ST, false, false, 3>(p, stream);
+    if (epilogue && !p.g_per_channel && pairs > 16 * sms) return launch_vk_one_staged<128, ST, false, 3>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);

@@ -69,14 +69,14 @@ KDA_EPILOGUE_CASE = """
 import torch, cudelta
 print("imported", cudelta.__file__)
 gen = torch.Generator().manual_seed(1)
-N, H, K, dev = 2, 2, 128, {device!r}
+N, H, K = 2, 2, 128
 def r(*shape, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(dev)
+    return (torch.randn(*shape, generator=gen) * scale).cuda()
 q, k, v, z = (r(N, H, K).bfloat16() for _ in range(4))
 a, b, w = r(N, H, K).bfloat16(), r(N, H).bfloat16(), r(K).bfloat16()
 kw = dict(a=a, b=b, A_log=r(H, scale=0.5), dt_bias=r(H, K), use_qk_l2norm=True, layout="vk", output_gate=z,
           norm_weight=w, norm_eps=1e-5, gate_activation="sigmoid")
-st = r(5, H, K, K, scale=0.1); idx = torch.tensor([1, 3], device=dev)
+st = r(5, H, K, K, scale=0.1); idx = torch.tensor([1, 3], device="cuda")
 before, ref = st.clone(), st.clone()
 o_ref = cudelta.kda_decode_reference(q, k, v, None, None, ref, idx, **kw)
 o = cudelta.kda_decode(q, k, v, None, None, st, idx, **kw)
@@ -118,6 +118,6 @@ def test_ptx_is_jit_compiled():
 
 
 def test_ptx_runs_the_one_token_epilogue_without_clusters():
-    proc = run_case("sm80ptx", case=KDA_EPILOGUE_CASE.format(device="cuda"))
+    proc = run_case("sm80ptx", case=KDA_EPILOGUE_CASE)
     assert proc.returncode == 0, proc.stderr
     assert "kda epilogue matches the reference" in proc.stdout
