@@ -33,7 +33,9 @@ constexpr int kConvShortBatch = 2;
 // one, and the step's blocks that need more, launched early by programmatic dependent launch to load
 // their state under the conv, waited for the conv's last block on their SM instead. 132 KB holds
 // the staged one-token kernel three blocks an SM (33 KB each with the 1 KB the driver keeps;
-// tests/unit/test_kernel_spills.py holds it to that) and GDN's multi-token kernels' 13-42 KB blocks.
+// tests/unit/test_kernel_spills.py holds it to that: KDA's build asks for three, GDN's for four,
+// which after this conv still gained, benchmarks/results-h200-mtp.md) and GDN's multi-token kernels'
+// 13-42 KB blocks.
 // H200 (benchmarks/results-h200-kda.md, "The conv's split"): KDA's drop-in 0.4-0.5 µs faster at 384
 // pairs and level elsewhere; GDN's conv + MTP call with bf16 state 0.8-0.9 µs faster at B = 8, T = 4
 // and 8, with fp32 state 0.1-0.2 µs slower there (a step that fits the conv's split runs in it, with

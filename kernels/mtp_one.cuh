@@ -108,7 +108,7 @@ __global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_m
 // decode_vk_one_staged_kernel: decode_vk_one_kernel's build of 8 warps of two 8-row tiles, the
 // second tile of each warp copied to shared memory (cp.async, issued first) and read from there
 // where it is used: registers for one tile a thread, so MIN_BLOCKS blocks (pairs) an SM are resident
-// instead of 2. With two, a grid past 2 pairs an SM ran a second wave (H200, KDA fp32, 12 heads:
+// instead of 2 (3 or 4: staged_min_blocks). With two, a grid past 2 pairs an SM ran a second wave (H200, KDA fp32, 12 heads:
 // 264 pairs 12.1 µs, 276 pairs 14.9; vLLM's fused op holds 4: benchmarks/ncu_kda.py).
 template <int K, typename ST, bool PER_CHANNEL, bool STREAM, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kMaxOneRows / 16, MIN_BLOCKS) decode_vk_one_staged_kernel(const GdnDecodeParams p) {
@@ -262,10 +262,21 @@ int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / (BW * TPW)) * 32), p, stream);
 }
 
-template <int K, typename ST, bool STREAM, int MIN_BLOCKS>
+// The staged build's blocks an SM by its decay: GDN's per-head gate leaves the registers for a fourth
+// block (64 registers, no spill: H200, fp32 T=1 with the epilogue, 16/32 heads, B=96 / 128 / 512
+// 105.6 / 138.9 / 539.7 -> 104.8 / 138.1 / 538.2 µs; 0.4-0.9% at 4/8, 32/32 and 16/64 heads at 31
+// pairs an SM and beyond; GDN's conv + step in one call 0.2-0.7%, though the conv's 132 KB split,
+// kConvCarveout, holds three), KDA's per-channel gates do not (it spilled 24 bytes and lost 3-12%
+// past 2 pairs an SM).
+template <bool PER_CHANNEL>
+constexpr int staged_min_blocks() {
+  return PER_CHANNEL ? 3 : 4;
+}
+
+template <int K, typename ST, bool STREAM>
 int launch_vk_one_staged(const GdnDecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.g_per_channel ? decode_vk_one_staged_kernel<K, ST, true, STREAM, MIN_BLOCKS>
-                                : decode_vk_one_staged_kernel<K, ST, false, STREAM, MIN_BLOCKS>;
+  auto kernel = p.g_per_channel ? decode_vk_one_staged_kernel<K, ST, true, STREAM, staged_min_blocks<true>()>
+                                : decode_vk_one_staged_kernel<K, ST, false, STREAM, staged_min_blocks<false>()>;
   return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / 16) * 32), p, stream);
 }
 
@@ -337,7 +348,9 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 //   115.5 / 114.3 -> 113.0 / 111.7, 6,144 224.4 / 220.9 -> 221.1 / 217.7, 49,152 1700.5 -> 1682.4;
 //   GDN 16/32 B=128 / 256 / 512 140.8 / 274.1 / 544.2 -> 139.2 / 272.7 / 539.7, but B=8-64 0.3-0.8
 //   µs slower). Its evict-first build lost there (1,536-6,144 pairs +0.8-2.6%), the plain one lost
-//   at two to eight pairs an SM (384 pairs +0.4-0.6 µs, 768 +0.8-1.6).
+//   at two to eight pairs an SM (384 pairs +0.4-0.6 µs, 768 +0.8-1.6). GDN's holds four blocks an
+//   SM (staged_min_blocks); at four, its plain or evict-first build from one pair an SM to sixteen
+//   was level with the block kernel or lost (B=16-64 up to +1.1%).
 // - Elsewhere the warp kernel's builds, and the separate epilogue (gated_rms_norm_kernel): every call
 //   without the epilogue, and with it below half a pair an SM on images without clusters (sm_80).
 // Tried on the H200 and not kept: bf16 in two-warp cluster blocks (B=1-2 level to +1.6%) or in block
@@ -356,10 +369,10 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
     if (pairs < sms / 2 && one_cluster_fits<8, 1, 2>(p)) return launch_vk_one_cluster<128, ST, 8, 1, true, 2>(p, stream);
     if (epilogue && pairs >= sms / 2 && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
     if (epilogue && p.g_per_channel && pairs > 2 * sms && pairs <= 8 * sms)
-      return launch_vk_one_staged<128, ST, true, 3>(p, stream);
-    if (epilogue && p.g_per_channel && pairs > 8 * sms) return launch_vk_one_staged<128, ST, false, 3>(p, stream);
+      return launch_vk_one_staged<128, ST, true>(p, stream);
+    if (epilogue && p.g_per_channel && pairs > 8 * sms) return launch_vk_one_staged<128, ST, false>(p, stream);
     if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 8, true, 2>(p, stream);
-    if (epilogue && !p.g_per_channel && pairs > 16 * sms) return launch_vk_one_staged<128, ST, false, 3>(p, stream);
+    if (epilogue && !p.g_per_channel && pairs > 16 * sms) return launch_vk_one_staged<128, ST, false>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
