@@ -266,7 +266,7 @@ int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
 // block (64 registers, no spill: H200, fp32 T=1 with the epilogue, 16/32 heads, B=96 / 128 / 512
 // 105.6 / 138.9 / 539.7 -> 104.8 / 138.1 / 538.2 µs; 0.4-0.9% at 4/8, 32/32 and 16/64 heads at 31
 // pairs an SM and beyond; GDN's conv + step in one call 0.2-0.7%, though the conv's 132 KB split,
-// kConvCarveout, holds three), KDA's per-channel gates do not (it spilled 24 bytes and lost 3-12%
+// kConvCarveout, holds three), KDA's per-channel gates do not (it spilled 24 bytes and lost 3-15%
 // past 2 pairs an SM).
 template <bool PER_CHANNEL>
 constexpr int staged_min_blocks() {
