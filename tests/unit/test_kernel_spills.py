@@ -136,8 +136,10 @@ def test_the_convs_split_holds_three_staged_step_blocks(unit, arch, shared_memor
     source = (ROOT / "kernels" / "conv_update.cuh").read_text()
     percent = int(re.search(r"constexpr int kConvCarveout = (\d+);", source).group(1))
     staged = {name: n for name, n in shared_memory(unit, arch).items() if "decode_vk_one_staged_kernel" in name}
-    blocks = {name[-len("Li3EEEvNS_15GdnDecodeParamsE"):][:3] for name in staged}
-    assert len(staged) == 4 and len(set(staged.values())) == 1 and blocks == {"Li3", "Li4"}, staged
+    # decode_vk_one_staged_kernel<128, float, PER_CHANNEL, STREAM, MIN_BLOCKS>: KDA's decay (a gate a
+    # channel) at three blocks an SM, GDN's at four.
+    blocks = {re.search(r"ILi128EfLb(\d)ELb\dELi(\d)EE", name).groups() for name in staged}
+    assert len(staged) == 4 and len(set(staged.values())) == 1 and blocks == {("1", "3"), ("0", "4")}, staged
     smem = next(iter(staged.values()))
     needed, asked = 3 * (smem + 1024), percent * 228 * 1024 // 100
     # The driver rounds a percentage up to the next split it has (100, 132, 164 KB ...): asking for
