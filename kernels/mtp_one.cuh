@@ -108,8 +108,9 @@ __global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_m
 // decode_vk_one_staged_kernel: decode_vk_one_kernel's build of 8 warps of two 8-row tiles, the
 // second tile of each warp copied to shared memory (cp.async, issued first) and read from there
 // where it is used: registers for one tile a thread, so MIN_BLOCKS blocks (pairs) an SM are resident
-// instead of 2 (3 or 4: staged_min_blocks). With two, a grid past 2 pairs an SM ran a second wave (H200, KDA fp32, 12 heads:
-// 264 pairs 12.1 µs, 276 pairs 14.9; vLLM's fused op holds 4: benchmarks/ncu_kda.py).
+// instead of 2 (3 or 4: staged_min_blocks). With two, a grid past 2 pairs an SM ran a second wave
+// (H200, KDA fp32, 12 heads: 264 pairs 12.1 µs, 276 pairs 14.9; vLLM's fused op holds 4:
+// benchmarks/ncu_kda.py).
 template <int K, typename ST, bool PER_CHANNEL, bool STREAM, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kMaxOneRows / 16, MIN_BLOCKS) decode_vk_one_staged_kernel(const GdnDecodeParams p) {
   constexpr int BW = 8;
