@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from cudelta import _build_record  # noqa: E402  (the installed package: its hint is the library's)
 
 ALT = os.environ.get("CUDELTA_TEST_ALT_BUILDS")
-TESTS = Path(__file__).resolve().parents[1]  # tests/step_tolerance.py
+TESTS = Path(__file__).resolve().parents[1]  # tests/: step_tolerance.py, mtp_cases.py
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
@@ -61,37 +61,28 @@ def alt_build(build: str) -> Path:
     return folder
 
 
-# KDA's one-token call with an fp32 state and the epilogue in a small grid. A compute_80 image has no
+# KDA's one-token call with an fp32 state and the epilogue in a small grid, built and checked as
+# tests/gpu/test_mtp_gpu.py checks every call (tests/mtp_cases.py: vLLM's pages, each element within
+# its tolerance of the float64 loop, every other pool byte as it was). A compute_80 image has no
 # thread block clusters, so there the launch rule (kernels/mtp_one.cuh, launch_vk_one) takes the
 # one-warp grid and the separate norm, a path no sm_90 image runs; the state checks the per-channel
 # decay, which the GDN builds of the same kernels would apply per head.
 KDA_EPILOGUE_CASE = """
-import torch, cudelta
+import sys, cudelta
+sys.path.insert(0, {tests!r})
+import mtp_cases as mc
 print("imported", cudelta.__file__)
-gen = torch.Generator().manual_seed(1)
-N, H, K = 2, 2, 128
-def r(*shape, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).cuda()
-q, k, v, z = (r(N, H, K).bfloat16() for _ in range(4))
-a, b, w = r(N, H, K).bfloat16(), r(N, H).bfloat16(), r(K).bfloat16()
-kw = dict(a=a, b=b, A_log=r(H, scale=0.5), dt_bias=r(H, K), use_qk_l2norm=True, layout="vk", output_gate=z,
-          norm_weight=w, norm_eps=1e-5, gate_activation="sigmoid")
-st = r(5, H, K, K, scale=0.1); idx = torch.tensor([1, 3], device="cuda")
-before, ref = st.clone(), st.clone()
-o_ref = cudelta.kda_decode_reference(q, k, v, None, None, ref, idx, **kw)
-o = cudelta.kda_decode(q, k, v, None, None, st, idx, **kw)
-torch.testing.assert_close(st, ref, rtol=1e-4, atol=1e-5)
-torch.testing.assert_close(o.float(), o_ref.float(), rtol=2e-2, atol=2e-2)
-assert torch.equal(st[[0, 2, 4]], before[[0, 2, 4]]), "a slot not named by idx changed"
+case = mc.Case(kind="kda", H=2, group=1, tokens="single", state="fp32", epilogue="sigmoid", N=2, seed=531)
+mc.run_and_check(case, "cuda")
 print("kda epilogue matches the reference")
 """
 
 
-def run_case(build: str, env_extra=None, case: str = ""):
+def run_case(build: str, env_extra=None, case: str = CASE):
     folder = alt_build(build)
     env = {**os.environ, "PYTHONPATH": str(folder), **(env_extra or {})}
-    script = case or CASE.format(tests=str(TESTS))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd="/")
+    proc = subprocess.run([sys.executable, "-c", case.format(tests=str(TESTS))], env=env, capture_output=True,
+                          text=True, cwd="/")
     # the build under test, not the release installed beside it
     assert f"imported {folder / 'cudelta'}" in proc.stdout, proc.stdout + proc.stderr
     return proc
