@@ -3,13 +3,20 @@ statistics and occupancy ncu reports for both sides' kernels, at the cells given
 
     python benchmarks/fetch_vllm_ops.py --cache /tmp/vllm-wheel    # here; carry .peers/cuda_op
     python -P benchmarks/ncu_kda.py [--heads 12] [--batches 22 23 32 48] [--out FILE]   # GPU machine
+    python -P benchmarks/ncu_kda.py --stalls --heads 12 --batches 32 128 512 --calls 3
+    python -P benchmarks/ncu_kda.py --source --heads 12 --batches 128 --calls 4
 
 One workload process builds each cell as kda_bench.py does (vLLM's pages, the bounded gate, the
-epilogue) and makes one call of cudelta.vllm_compat.fused_kda_decode and one of vLLM's op on it,
-under `ncu --clock-control none` (ncu flushes the caches before each launch, so the state comes
-from DRAM). What the table takes from ncu: grid and block, registers a thread, shared memory a
-block, the blocks an SM can hold and what limits them, waves per SM, achieved occupancy, duration
-and DRAM throughput. The numbers ncu prints are the evidence; nothing here is timed for a table.
+epilogue) and makes --calls calls of cudelta.vllm_compat.fused_kda_decode and of vLLM's op on it,
+alternating, each on its own slot set, under `ncu --clock-control none`. The default table
+(ncu flushes the caches before each launch, so the state comes from DRAM): grid and block,
+registers a thread, shared memory a block, the blocks an SM can hold and what limits them, waves
+per SM, achieved occupancy, duration and DRAM throughput, a row a launch. --stalls: a row a kernel
+a cell, medians over the calls (caches flushed as above), with ncu_mtp.py's columns (time, DRAM %
+of peak, occupancy, cycles per issued instruction), the DRAM bytes read and written and the three
+largest warp stall reasons. --source: where each side's warps wait, instruction by instruction
+(ncu_mtp.py --source's method: no cache flush, application replay, the second half of the calls
+sampled). The numbers ncu prints are the evidence; nothing here is timed for a table.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import csv
 import io
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import ncu_mtp  # noqa: E402
+import ncu_source  # noqa: E402
 
 KERNELS = "regex:conv_update|decode_vk|kda|Kda|KDA"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy")
@@ -44,7 +53,7 @@ METRICS = {  # ncu's metric name -> the table's heading
 }
 
 
-def workload(heads: list[int], batches: list[int]) -> None:
+def workload(heads: list[int], batches: list[int], calls: int = 1) -> None:
     import torch
 
     import kda_bench as kb
@@ -61,8 +70,9 @@ def workload(heads: list[int], batches: list[int]) -> None:
             cell = kb.Cell(H, B, seed=1000 * H + B)
             pool = cell.pool(1 + cell.sets * B, random_bytes=False)
             sets = cell.slot_sets(cell.sets)
-            cell.call(vllm_compat.fused_kda_decode)(pool, sets[0])
-            cell.call(op)(pool, sets[1 % cell.sets])
+            for c in range(calls):
+                cell.call(vllm_compat.fused_kda_decode)(pool, sets[2 * c % cell.sets])
+                cell.call(op)(pool, sets[(2 * c + 1) % cell.sets])
             torch.cuda.synchronize()
             del pool
 
@@ -70,9 +80,10 @@ def workload(heads: list[int], batches: list[int]) -> None:
 UNITS = {"register/thread": "", "block": "", "byte/block": " B", "%": "%", "ns": " ns", "": ""}
 
 
-def table(text: str, cells: list[tuple[int, int]]) -> str:
-    """ncu's --csv --page details output -> one row a launch, in launch order: three a cell
-    (cudelta's conv, cudelta's step, vLLM's op), labelled with `cells` in the workload's order."""
+def table(text: str, cells: list[tuple[int, int]], calls: int = 1) -> str:
+    """ncu's --csv --page details output -> one row a launch, in launch order: three a call
+    (cudelta's conv, cudelta's step, vLLM's op), `calls` calls a cell, labelled with `cells` in the
+    workload's order."""
     start = text.find('"ID"')
     if start < 0:
         raise SystemExit("ncu_kda: ncu printed no metrics\n" + text[-3000:])
@@ -87,10 +98,109 @@ def table(text: str, cells: list[tuple[int, int]]) -> str:
     heads = ["cell", "kernel", "grid", "block", *METRICS.values()]
     out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for i, launch_id in enumerate(ids):
-        H, B = cells[i // 3] if i // 3 < len(cells) else ("?", "?")
+        H, B = cells[i // (3 * calls)] if i // (3 * calls) < len(cells) else ("?", "?")
         row = launches[launch_id]
         out.append("| " + " | ".join([f"H={H} B={B}", *(str(row.get(h, "")) for h in heads[1:])]) + " |")
     return "\n".join(out)
+
+
+# --stalls: ncu_mtp.py's sections and columns, and the DRAM bytes each launch moved.
+STALL_COLUMNS = {**ncu_mtp.COLUMNS, "dram__bytes_read.sum": "DRAM read MB", "dram__bytes_write.sum": "DRAM write MB"}
+BYTES = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "KB": 1e-3, "MB": 1.0, "GB": 1e3}
+
+
+def value(row: dict, name: str) -> float | None:
+    if name.startswith("dram__bytes"):
+        number = ncu_mtp.number(row, name)
+        return None if number is None else number * BYTES.get(row[name][1], float("nan"))
+    return ncu_mtp.number(row, name)
+
+
+def stall_table(rows: list[dict], cells: list[tuple[int, int]], calls: int) -> list[str]:
+    """ncu's raw page -> a row a (cell, kernel): medians over the cell's calls. Launches are labelled
+    as table() labels them: three a call, `calls` calls a cell, in the workload's order."""
+    expected = 3 * calls * len(cells)
+    if len(rows) != expected:  # a launch missing or extra would shift every label after it
+        raise SystemExit(f"ncu_kda: ncu profiled {len(rows)} launches, expected {expected} "
+                         f"(3 a call: cudelta's conv and step, vLLM's op; {calls} calls a cell; {len(cells)} cells)")
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for i, row in enumerate(rows):
+        H, B = cells[i // (3 * calls)]
+        kernel = ncu_mtp.short_name(row.get("Kernel Name", ("?", ""))[0])
+        groups.setdefault((f"H={H} B={B}", kernel), []).append(row)
+    heads = ["cell", "kernel grid x block", "launches", *STALL_COLUMNS.values(),
+             "top stalls (cycles per issued instruction)"]
+    out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for (cell, kernel), launches in groups.items():
+        figures = []
+        for name in STALL_COLUMNS:
+            xs = [x for x in (value(r, name) for r in launches) if x is not None]
+            figures.append(f"{statistics.median(xs):,.1f}" if xs else "n/a")
+        stalls = {}
+        for col in launches[0]:
+            if col.startswith(ncu_mtp.STALL[0]) and col.endswith(ncu_mtp.STALL[1]):
+                xs = [x for x in (ncu_mtp.number(r, col) for r in launches) if x is not None]
+                if xs:
+                    stalls[col[len(ncu_mtp.STALL[0]):-len(ncu_mtp.STALL[1])]] = statistics.median(xs)
+        top = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
+        grid = launches[0].get("Grid Size", ("?", ""))[0]
+        block = launches[0].get("Block Size", ("?", ""))[0]
+        out.append(f"| {cell} | {kernel} {grid}x{block} | {len(launches)} | " + " | ".join(figures) + " | "
+                   + ", ".join(f"{k} {v:.1f}" for k, v in top) + " |")
+    return out
+
+
+# --source: each side's kernels apart, as ncu_mtp.py --source profiles them.
+SOURCE_KERNELS = {"cudelta": "regex:conv_update|decode_vk", "vLLM": "regex:kda_decode"}
+
+
+def workload_command(heads: list[int], batches: list[int], calls: int) -> list[str]:
+    return [sys.executable, "-P", str(Path(__file__).resolve()), "--workload", "--calls", str(calls),
+            "--heads", *map(str, heads), "--batches", *map(str, batches)]
+
+
+def run_ncu(cmd: list[str]) -> str:
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"ncu_kda: {' '.join(cmd)} exited {run.returncode}\n{run.stderr[-3000:]}\n{run.stdout[-2000:]}")
+    return run.stdout
+
+
+def main_stalls(args) -> list[str]:
+    with tempfile.TemporaryDirectory(prefix="ncu-kda-") as tmp:
+        log = Path(tmp) / "ncu.csv"
+        run_ncu([args.ncu, "--clock-control", "none", *(x for s in ncu_mtp.SECTIONS for x in ("--section", s)),
+                 "--metrics", ",".join(STALL_COLUMNS), "-k", KERNELS, "--csv", "--page", "raw",
+                 "--log-file", str(log), *workload_command(args.heads, args.batches, args.calls)])
+        rows = ncu_mtp.raw_rows(log.read_text())
+    cells = [(H, B) for H in args.heads for B in args.batches]
+    return [f"ncu --clock-control none, caches flushed before each launch; medians of {args.calls} calls", "",
+            *stall_table(rows, cells, args.calls)]
+
+
+def main_source(args) -> list[str]:
+    lines = [f"ncu --clock-control none --cache-control none --replay-mode application, warp-stall sampling "
+             f"every 32 cycles; the last {args.calls - args.calls // 2} of {args.calls} calls of each side, summed", "",
+             "| cell | impl | kernel | warp instructions a launch (thousands) | top stalls (% of samples) | "
+             "hottest instruction (% of samples) |", "|---|---|---|---|---|---|"]
+    for H in args.heads:
+        for B in args.batches:
+            for impl, kernels in SOURCE_KERNELS.items():
+                with tempfile.TemporaryDirectory(prefix="ncu-kda-src-") as tmp:
+                    report = Path(tmp) / "source"
+                    # A cudelta call is two launches (conv, step), vLLM's one.
+                    per_call = 2 if impl == "cudelta" else 1
+                    run_ncu([args.ncu, "--clock-control", "none", "--cache-control", "none",
+                             "--replay-mode", "application", "--section", "SourceCounters",
+                             "--warp-sampling-interval", "0", "-k", kernels,
+                             "--launch-skip", str(per_call * (args.calls // 2)),
+                             "--launch-count", str(per_call * (args.calls - args.calls // 2)), "-o", str(report),
+                             *workload_command([H], [B], args.calls)])
+                    page = run_ncu([args.ncu, "--import", f"{report}.ncu-rep", "--page", "source", "--csv",
+                                    "--print-source", "sass"])
+                lines += ncu_mtp.summarise_source(f"H={H} B={B}", impl, ncu_source.parse(page))
+                print(lines[-1], file=sys.stderr, flush=True)
+    return lines
 
 
 def main(argv=None) -> int:
@@ -98,19 +208,26 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, nargs="+", default=[12])
     ap.add_argument("--batches", type=int, nargs="+", default=[22, 23, 32, 48])
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
+    ap.add_argument("--calls", type=int, default=1, help="calls of each side a cell, alternating")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--stalls", action="store_true", help="a row a kernel: time, DRAM, warp stall reasons")
+    mode.add_argument("--source", action="store_true", help="where each side's warps wait, a SASS instruction at a time")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.calls < 1:
+        ap.error(f"--calls {args.calls}: give 1 or more")
     if args.workload:
-        workload(args.heads, args.batches)
+        workload(args.heads, args.batches, args.calls)
         return 0
+    if args.stalls or args.source:
+        lines = main_stalls(args) if args.stalls else main_source(args)
+        return ncu_mtp.write_table(lines, args.out)
     cmd = [args.ncu, "--clock-control", "none", "-k", KERNELS, "--csv", "--page", "details",
-           *(x for s in SECTIONS for x in ("--section", s)),
-           sys.executable, "-P", str(Path(__file__).resolve()), "--workload",
-           "--heads", *map(str, args.heads), "--batches", *map(str, args.batches)]
+           *(x for s in SECTIONS for x in ("--section", s)), *workload_command(args.heads, args.batches, args.calls)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     cells = [(H, B) for H in args.heads for B in args.batches]
-    text = table(run.stdout, cells)
+    text = table(run.stdout, cells, args.calls)
     print(text)
     if args.out:
         args.out.write_text(text + "\n\n" + run.stdout)

@@ -67,3 +67,52 @@ def test_no_metrics_names_what_ncu_printed():
 
     with pytest.raises(SystemExit, match="ncu printed no metrics"):
         ncu_kda.table("==ERROR== the application returned an error code (1)\n", [(12, 23)])
+
+
+def raw_csv(launches):
+    """launches: [(signature, grid, {raw metric: value})] -> ncu's --page raw CSV: a header row, a
+    units row, a row a launch."""
+    names = sorted({m for _, _, metrics in launches for m in metrics})
+    units = {"gpu__time_duration.sum": "usecond", "dram__bytes_read.sum": "Mbyte", "dram__bytes_write.sum": "Gbyte"}
+    out = io.StringIO()
+    w = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
+    w.writerow(["ID", "Kernel Name", "Grid Size", "Block Size", *names])
+    w.writerow(["", "", "", "", *(units.get(n, "") for n in names)])
+    for i, (sig, grid, metrics) in enumerate(launches):
+        w.writerow([str(i), sig, grid, "(256, 1, 1)", *(metrics.get(n, "") for n in names)])
+    return "==PROF== Disconnected\n" + out.getvalue()
+
+
+def test_stalls_a_row_a_kernel_a_cell_medians_over_its_calls_bytes_in_mb():
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    def step(us, read):
+        return {"gpu__time_duration.sum": us, "dram__bytes_read.sum": read, "dram__bytes_write.sum": "0.1",
+                stall.format("long_scoreboard"): "9.5", stall.format("barrier"): "2.0",
+                stall.format("wait"): "1.0", stall.format("selected"): "0.5"}
+    calls = [(CONV, "(18, 128, 1)", {"gpu__time_duration.sum": "4.0"}), (STEP, "(1536, 1, 1)", step("50.0", "100")),
+             (VLLM, "(128, 12, 1)", {"gpu__time_duration.sum": "58.0"})]
+    calls2 = [calls[0], (STEP, "(1536, 1, 1)", step("54.0", "102")), calls[2]]
+    other = [(CONV, "(18, 32, 1)", {"gpu__time_duration.sum": "3.0"}), (STEP, "(1536, 1, 1)", step("52.0", "90")),
+             (VLLM, "(32, 48, 1)", {"gpu__time_duration.sum": "57.0"})]
+    rows = ncu_mtp.raw_rows(raw_csv(calls + calls2 + other + other))
+    lines = ncu_kda.stall_table(rows, [(12, 128), (48, 32)], calls=2)
+    body = [[c.strip() for c in r.strip("|").split("|")] for r in lines[2:]]
+    assert [(b[0], b[1].split()[0], b[2]) for b in body] == [
+        ("H=12 B=128", "conv_update_f32_taps_kernel", "2"), ("H=12 B=128", "decode_vk_one_kernel", "2"),
+        ("H=12 B=128", "kda_decode_fusion_many_heads_kernel", "2"), ("H=48 B=32", "conv_update_f32_taps_kernel", "2"),
+        ("H=48 B=32", "decode_vk_one_kernel", "2"), ("H=48 B=32", "kda_decode_fusion_many_heads_kernel", "2")]
+    heads = ["cell", "kernel", "launches", *ncu_kda.STALL_COLUMNS.values(), "stalls"]
+    step_row = dict(zip(heads, body[1]))
+    assert step_row["µs"] == "52.0"  # the median of the cell's two calls, not the other cell's
+    assert step_row["DRAM read MB"] == "101.0" and step_row["DRAM write MB"] == "100.0"  # 0.1 Gbyte
+    assert step_row["stalls"] == "long_scoreboard 9.5, barrier 2.0, wait 1.0"
+    assert dict(zip(heads, body[0]))["DRAM read MB"] == "n/a"  # not collected for that launch
+
+
+def test_stalls_refuse_a_launch_count_that_would_shift_the_labels():
+    import pytest
+
+    launch = (CONV, "(18, 128, 1)", {"gpu__time_duration.sum": "4.0"})
+    rows = ncu_mtp.raw_rows(raw_csv([launch] * 5))
+    with pytest.raises(SystemExit, match="profiled 5 launches, expected 6"):
+        ncu_kda.stall_table(rows, [(12, 128)], calls=2)
