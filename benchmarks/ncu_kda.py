@@ -25,7 +25,6 @@ import argparse
 import csv
 import io
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import ncu_mtp  # noqa: E402
-import ncu_source  # noqa: E402
 
 KERNELS = "regex:conv_update|decode_vk|kda|Kda|KDA"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy")
@@ -132,21 +130,9 @@ def stall_table(rows: list[dict], cells: list[tuple[int, int]], calls: int) -> l
              "top stalls (cycles per issued instruction)"]
     out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for (cell, kernel), launches in groups.items():
-        figures = []
-        for name in STALL_COLUMNS:
-            xs = [x for x in (value(r, name) for r in launches) if x is not None]
-            figures.append(f"{statistics.median(xs):,.1f}" if xs else "n/a")
-        stalls = {}
-        for col in launches[0]:
-            if col.startswith(ncu_mtp.STALL[0]) and col.endswith(ncu_mtp.STALL[1]):
-                xs = [x for x in (ncu_mtp.number(r, col) for r in launches) if x is not None]
-                if xs:
-                    stalls[col[len(ncu_mtp.STALL[0]):-len(ncu_mtp.STALL[1])]] = statistics.median(xs)
-        top = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
-        grid = launches[0].get("Grid Size", ("?", ""))[0]
-        block = launches[0].get("Block Size", ("?", ""))[0]
-        out.append(f"| {cell} | {kernel} {grid}x{block} | {len(launches)} | " + " | ".join(figures) + " | "
-                   + ", ".join(f"{k} {v:.1f}" for k, v in top) + " |")
+        out.append(f"| {cell} | {kernel} {ncu_mtp.launch_shape(launches)} | {len(launches)} | "
+                   + " | ".join(ncu_mtp.medians(launches, STALL_COLUMNS, value))
+                   + f" | {ncu_mtp.top_stalls(launches)} |")
     return out
 
 
@@ -159,20 +145,9 @@ def workload_command(heads: list[int], batches: list[int], calls: int) -> list[s
             "--heads", *map(str, heads), "--batches", *map(str, batches)]
 
 
-def run_ncu(cmd: list[str]) -> str:
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise SystemExit(f"ncu_kda: {' '.join(cmd)} exited {run.returncode}\n{run.stderr[-3000:]}\n{run.stdout[-2000:]}")
-    return run.stdout
-
-
 def main_stalls(args) -> list[str]:
-    with tempfile.TemporaryDirectory(prefix="ncu-kda-") as tmp:
-        log = Path(tmp) / "ncu.csv"
-        run_ncu([args.ncu, "--clock-control", "none", *(x for s in ncu_mtp.SECTIONS for x in ("--section", s)),
-                 "--metrics", ",".join(STALL_COLUMNS), "-k", KERNELS, "--csv", "--page", "raw",
-                 "--log-file", str(log), *workload_command(args.heads, args.batches, args.calls)])
-        rows = ncu_mtp.raw_rows(log.read_text())
+    rows = ncu_mtp.raw_profile(args.ncu, KERNELS, workload_command(args.heads, args.batches, args.calls),
+                               STALL_COLUMNS)
     cells = [(H, B) for H in args.heads for B in args.batches]
     return [f"ncu --clock-control none, caches flushed before each launch; medians of {args.calls} calls", "",
             *stall_table(rows, cells, args.calls)]
@@ -186,19 +161,11 @@ def main_source(args) -> list[str]:
     for H in args.heads:
         for B in args.batches:
             for impl, kernels in SOURCE_KERNELS.items():
-                with tempfile.TemporaryDirectory(prefix="ncu-kda-src-") as tmp:
-                    report = Path(tmp) / "source"
-                    # A cudelta call is two launches (conv, step), vLLM's one.
-                    per_call = 2 if impl == "cudelta" else 1
-                    run_ncu([args.ncu, "--clock-control", "none", "--cache-control", "none",
-                             "--replay-mode", "application", "--section", "SourceCounters",
-                             "--warp-sampling-interval", "0", "-k", kernels,
-                             "--launch-skip", str(per_call * (args.calls // 2)),
-                             "--launch-count", str(per_call * (args.calls - args.calls // 2)), "-o", str(report),
-                             *workload_command([H], [B], args.calls)])
-                    page = run_ncu([args.ncu, "--import", f"{report}.ncu-rep", "--page", "source", "--csv",
-                                    "--print-source", "sass"])
-                lines += ncu_mtp.summarise_source(f"H={H} B={B}", impl, ncu_source.parse(page))
+                per_call = 2 if impl == "cudelta" else 1  # a cudelta call is two launches (conv, step)
+                profiles = ncu_mtp.source_profiles(args.ncu, kernels, per_call * (args.calls // 2),
+                                                   per_call * (args.calls - args.calls // 2),
+                                                   workload_command([H], [B], args.calls))
+                lines += ncu_mtp.summarise_source(f"H={H} B={B}", impl, profiles)
                 print(lines[-1], file=sys.stderr, flush=True)
     return lines
 

@@ -118,29 +118,39 @@ def short_name(kernel: str) -> str:
     return name.rsplit("::", 1)[-1].removeprefix("void ").strip()
 
 
+def medians(launches: list[dict], names, read=number) -> list[str]:
+    """One kernel's launches -> the median of each metric named, as the table prints it ("n/a" where
+    ncu collected it for none of them); read(row, name) gives a launch's value."""
+    cells = []
+    for name in names:
+        values = [x for x in (read(r, name) for r in launches) if x is not None]
+        cells.append(f"{statistics.median(values):,.1f}" if values else "n/a")
+    return cells
+
+
+def top_stalls(launches: list[dict], top: int = 3) -> str:
+    """The largest warp stall reasons over one kernel's launches (medians, cycles per issued
+    instruction), as "reason value, ..."."""
+    stalls = {}
+    for col in launches[0]:
+        if col.startswith(STALL[0]) and col.endswith(STALL[1]):
+            values = [x for x in (number(r, col) for r in launches) if x is not None]
+            if values:
+                stalls[col[len(STALL[0]):-len(STALL[1])]] = statistics.median(values)
+    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:top])
+
+
+def launch_shape(launches: list[dict]) -> str:
+    return f'{launches[0].get("Grid Size", ("?", ""))[0]}x{launches[0].get("Block Size", ("?", ""))[0]}'
+
+
 def summarise(label: str, rows: list[dict]) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         kernel = row.get("Kernel Name", ("?", ""))[0]
         groups.setdefault((who(kernel), short_name(kernel)), []).append(row)
-    lines = []
-    for (impl, kernel), launches in groups.items():
-        cells = []
-        for name in COLUMNS:
-            values = [x for x in (number(r, name) for r in launches) if x is not None]
-            cells.append(f"{statistics.median(values):,.1f}" if values else "n/a")
-        stalls = {}
-        for col in launches[0]:
-            if col.startswith(STALL[0]) and col.endswith(STALL[1]):
-                values = [x for x in (number(r, col) for r in launches) if x is not None]
-                if values:
-                    stalls[col[len(STALL[0]):-len(STALL[1])]] = statistics.median(values)
-        top = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
-        grid = launches[0].get("Grid Size", ("?", ""))[0]
-        block = launches[0].get("Block Size", ("?", ""))[0]
-        lines.append(f"| {label} | {impl} | {kernel} {grid}x{block} | " + " | ".join(cells) + " | "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in top) + " |")
-    return lines
+    return [f"| {label} | {impl} | {kernel} {launch_shape(launches)} | " + " | ".join(medians(launches, COLUMNS))
+            + f" | {top_stalls(launches)} |" for (impl, kernel), launches in groups.items()]
 
 
 def cell_label(cell: tuple[str, int, int]) -> str:
@@ -163,17 +173,23 @@ def write_table(lines: list[str], out: Path | None) -> int:
     return 0
 
 
-def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="ncu-mtp-") as tmp:
+def raw_profile(ncu: str, kernels: str, workload: list[str], metrics=()) -> list[dict]:
+    """ncu's raw page, a row a launch of `kernels` in the workload process: SECTIONS and any further
+    metrics, caches flushed before each launch."""
+    with tempfile.TemporaryDirectory(prefix="ncu-raw-") as tmp:
         log = Path(tmp) / "ncu.csv"
         cmd = [ncu, "--clock-control", "none", *[a for s in SECTIONS for a in ("--section", s)],
-               "--kernel-name", KERNELS, "--csv", "--page", "raw", "--log-file", str(log),
-               *workload_command(cell, calls, so, reason)]
+               *(["--metrics", ",".join(metrics)] if metrics else []),
+               "--kernel-name", kernels, "--csv", "--page", "raw", "--log-file", str(log), *workload]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         text = (log.read_text() if log.exists() else "") + "\n" + proc.stdout
         if proc.returncode != 0:
-            raise SystemExit(f"ncu_mtp: {' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}\n{text[-2000:]}")
+            raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}\n{text[-2000:]}")
     return raw_rows(text)
+
+
+def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[dict]:
+    return raw_profile(ncu, KERNELS, workload_command(cell, calls, so, reason))
 
 
 # --source: each implementation's kernels apart (their launches summed per kernel), the first half
@@ -181,22 +197,28 @@ def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: s
 SOURCE_KERNELS = {report.CUDELTA: "regex:decode_", report.VLLM_CUDA: "regex:gdn_decode_post_conv"}
 
 
-def profile_source(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str,
-                   kernels: str) -> dict[str, ncu_source.SourceProfile]:
-    """Warp-stall samples per instruction, as the benchmark runs the cell: no cache flush, and
-    application replay (each pass reruns the process, so the state slots are as cold as there)."""
+def source_profiles(ncu: str, kernels: str, skip: int, count: int,
+                    workload: list[str]) -> dict[str, ncu_source.SourceProfile]:
+    """Warp-stall samples per instruction of the `count` launches of `kernels` after the first
+    `skip` in the workload process, as a benchmark runs it: no cache flush, and application replay
+    (each pass reruns the process, so the state slots are as cold as there)."""
     with tempfile.TemporaryDirectory(prefix="ncu-src-") as tmp:
         report_file = Path(tmp) / "source"
         cmd = [ncu, "--clock-control", "none", "--cache-control", "none", "--replay-mode", "application",
                "--section", "SourceCounters", "--warp-sampling-interval", "0", "--kernel-name", kernels,
-               "--launch-skip", str(calls // 2), "--launch-count", str(calls - calls // 2), "-o", str(report_file),
-               *workload_command(cell, calls, so, reason)]
+               "--launch-skip", str(skip), "--launch-count", str(count), "-o", str(report_file), *workload]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise SystemExit(f"ncu_mtp: {' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+            raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
         page = subprocess.run([ncu, "--import", f"{report_file}.ncu-rep", "--page", "source", "--csv",
                                "--print-source", "sass"], capture_output=True, text=True, check=True)
     return ncu_source.parse(page.stdout)
+
+
+def profile_source(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str,
+                   kernels: str) -> dict[str, ncu_source.SourceProfile]:
+    """The cell's last calls - calls // 2 launches of `kernels` (the first half warm L2's inputs)."""
+    return source_profiles(ncu, kernels, calls // 2, calls - calls // 2, workload_command(cell, calls, so, reason))
 
 
 def summarise_source(label: str, impl: str, profiles: dict[str, ncu_source.SourceProfile]) -> list[str]:
