@@ -78,6 +78,13 @@ def workload(heads: list[int], batches: list[int], calls: int = 1) -> None:
 UNITS = {"register/thread": "", "block": "", "byte/block": " B", "%": "%", "ns": " ns", "": ""}
 
 
+def cell_of(launch: int, cells: list[tuple[int, int]], calls: int) -> str:
+    """The cell the workload's launch number `launch` belongs to: three launches a call (cudelta's
+    conv, cudelta's step, vLLM's op), `calls` calls a cell, cells in the workload's order."""
+    i = launch // (3 * calls)
+    return f"H={cells[i][0]} B={cells[i][1]}" if i < len(cells) else "H=? B=?"
+
+
 def table(text: str, cells: list[tuple[int, int]], calls: int = 1) -> str:
     """ncu's --csv --page details output -> one row a launch, in launch order: three a call
     (cudelta's conv, cudelta's step, vLLM's op), `calls` calls a cell, labelled with `cells` in the
@@ -96,9 +103,8 @@ def table(text: str, cells: list[tuple[int, int]], calls: int = 1) -> str:
     heads = ["cell", "kernel", "grid", "block", *METRICS.values()]
     out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for i, launch_id in enumerate(ids):
-        H, B = cells[i // (3 * calls)] if i // (3 * calls) < len(cells) else ("?", "?")
         row = launches[launch_id]
-        out.append("| " + " | ".join([f"H={H} B={B}", *(str(row.get(h, "")) for h in heads[1:])]) + " |")
+        out.append("| " + " | ".join([cell_of(i, cells, calls), *(str(row.get(h, "")) for h in heads[1:])]) + " |")
     return "\n".join(out)
 
 
@@ -115,17 +121,16 @@ def value(row: dict, name: str) -> float | None:
 
 
 def stall_table(rows: list[dict], cells: list[tuple[int, int]], calls: int) -> list[str]:
-    """ncu's raw page -> a row a (cell, kernel): medians over the cell's calls. Launches are labelled
-    as table() labels them: three a call, `calls` calls a cell, in the workload's order."""
+    """ncu's raw page -> a row a (cell, kernel): medians over the cell's calls, launches labelled by
+    cell_of."""
     expected = 3 * calls * len(cells)
     if len(rows) != expected:  # a launch missing or extra would shift every label after it
         raise SystemExit(f"ncu_kda: ncu profiled {len(rows)} launches, expected {expected} "
                          f"(3 a call: cudelta's conv and step, vLLM's op; {calls} calls a cell; {len(cells)} cells)")
     groups: dict[tuple[str, str], list[dict]] = {}
     for i, row in enumerate(rows):
-        H, B = cells[i // (3 * calls)]
         kernel = ncu_mtp.short_name(row.get("Kernel Name", ("?", ""))[0])
-        groups.setdefault((f"H={H} B={B}", kernel), []).append(row)
+        groups.setdefault((cell_of(i, cells, calls), kernel), []).append(row)
     heads = ["cell", "kernel grid x block", "launches", *STALL_COLUMNS.values(),
              "top stalls (cycles per issued instruction)"]
     out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]

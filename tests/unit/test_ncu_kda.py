@@ -6,6 +6,8 @@ import io
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -63,8 +65,6 @@ def test_one_row_a_launch_in_launch_order_three_a_cell():
 
 
 def test_no_metrics_names_what_ncu_printed():
-    import pytest
-
     with pytest.raises(SystemExit, match="ncu printed no metrics"):
         ncu_kda.table("==ERROR== the application returned an error code (1)\n", [(12, 23)])
 
@@ -110,8 +110,6 @@ def test_stalls_a_row_a_kernel_a_cell_medians_over_its_calls_bytes_in_mb():
 
 
 def test_stalls_refuse_a_launch_count_that_would_shift_the_labels():
-    import pytest
-
     launch = (CONV, "(18, 128, 1)", {"gpu__time_duration.sum": "4.0"})
     rows = ncu_mtp.raw_rows(raw_csv([launch] * 5))
     with pytest.raises(SystemExit, match="profiled 5 launches, expected 6"):
