@@ -85,6 +85,14 @@ def cell_of(launch: int, cells: list[tuple[int, int]], calls: int) -> str:
     return f"H={cells[i][0]} B={cells[i][1]}" if i < len(cells) else "H=? B=?"
 
 
+def check_launches(count: int, cells: list[tuple[int, int]], calls: int) -> None:
+    """Labels are by position, so a launch missing or extra would shift every label after it."""
+    expected = 3 * calls * len(cells)
+    if count != expected:
+        raise SystemExit(f"ncu_kda: ncu profiled {count} launches, expected {expected} "
+                         f"(3 a call: cudelta's conv and step, vLLM's op; {calls} calls a cell; {len(cells)} cells)")
+
+
 def table(text: str, cells: list[tuple[int, int]], calls: int = 1) -> str:
     """ncu's --csv --page details output -> one row a launch, in launch order: three a call
     (cudelta's conv, cudelta's step, vLLM's op), `calls` calls a cell, labelled with `cells` in the
@@ -100,6 +108,7 @@ def table(text: str, cells: list[tuple[int, int]], calls: int = 1) -> str:
             unit = rec.get("Metric Unit", "")
             row[METRICS[rec["Metric Name"]]] = rec["Metric Value"] + UNITS.get(unit, f" {unit}")
     ids = sorted(launches, key=int)
+    check_launches(len(ids), cells, calls)
     heads = ["cell", "kernel", "grid", "block", *METRICS.values()]
     out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for i, launch_id in enumerate(ids):
@@ -108,25 +117,15 @@ def table(text: str, cells: list[tuple[int, int]], calls: int = 1) -> str:
     return "\n".join(out)
 
 
-# --stalls: ncu_mtp.py's sections and columns, and the DRAM bytes each launch moved.
+# --stalls: ncu_mtp.py's sections and columns, and the DRAM bytes each launch moved (in MB, as
+# ncu_mtp.SCALE reads them).
 STALL_COLUMNS = {**ncu_mtp.COLUMNS, "dram__bytes_read.sum": "DRAM read MB", "dram__bytes_write.sum": "DRAM write MB"}
-BYTES = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "KB": 1e-3, "MB": 1.0, "GB": 1e3}
-
-
-def value(row: dict, name: str) -> float | None:
-    if name.startswith("dram__bytes"):
-        number = ncu_mtp.number(row, name)
-        return None if number is None else number * BYTES.get(row[name][1], float("nan"))
-    return ncu_mtp.number(row, name)
 
 
 def stall_table(rows: list[dict], cells: list[tuple[int, int]], calls: int) -> list[str]:
     """ncu's raw page -> a row a (cell, kernel): medians over the cell's calls, launches labelled by
     cell_of."""
-    expected = 3 * calls * len(cells)
-    if len(rows) != expected:  # a launch missing or extra would shift every label after it
-        raise SystemExit(f"ncu_kda: ncu profiled {len(rows)} launches, expected {expected} "
-                         f"(3 a call: cudelta's conv and step, vLLM's op; {calls} calls a cell; {len(cells)} cells)")
+    check_launches(len(rows), cells, calls)
     groups: dict[tuple[str, str], list[dict]] = {}
     for i, row in enumerate(rows):
         kernel = ncu_mtp.short_name(row.get("Kernel Name", ("?", ""))[0])
@@ -136,7 +135,7 @@ def stall_table(rows: list[dict], cells: list[tuple[int, int]], calls: int) -> l
     out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for (cell, kernel), launches in groups.items():
         out.append(f"| {cell} | {kernel} {ncu_mtp.launch_shape(launches)} | {len(launches)} | "
-                   + " | ".join(ncu_mtp.medians(launches, STALL_COLUMNS, value))
+                   + " | ".join(ncu_mtp.medians(launches, STALL_COLUMNS))
                    + f" | {ncu_mtp.top_stalls(launches)} |")
     return out
 
@@ -198,8 +197,9 @@ def main(argv=None) -> int:
     cmd = [args.ncu, "--clock-control", "none", "-k", KERNELS, "--csv", "--page", "details",
            *(x for s in SECTIONS for x in ("--section", s)), *workload_command(args.heads, args.batches, args.calls)]
     run = subprocess.run(cmd, capture_output=True, text=True)
-    cells = [(H, B) for H in args.heads for B in args.batches]
-    text = table(run.stdout, cells, args.calls)
+    if args.out:  # ncu's own output is kept even when it cannot be tabled
+        args.out.write_text(run.stdout)
+    text = table(run.stdout, [(H, B) for H in args.heads for B in args.batches], args.calls)
     print(text)
     if args.out:
         args.out.write_text(text + "\n\n" + run.stdout)

@@ -46,9 +46,11 @@ COLUMNS = {  # what the table shows: raw metric -> heading
     "launch__occupancy_limit_shared_mem": "by smem",
     "smsp__average_warp_latency_per_inst_issued.ratio": "cycles per issue",
 }
-# ncu's raw page names a duration's unit either way, depending on the version.
-SCALE = {"gpu__time_duration.sum": {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0,
-                                    "msecond": 1e3, "ms": 1e3}}
+# Metrics whose unit ncu picks per launch, scaled to the table's: durations to µs and DRAM bytes to
+# MB. ncu's raw page names a unit either way, depending on the version.
+TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+TO_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "KB": 1e-3, "MB": 1.0, "GB": 1e3}
+SCALE = {"gpu__time_duration.sum": TO_US, "dram__bytes_read.sum": TO_MB, "dram__bytes_write.sum": TO_MB}
 
 
 def parse_cell(text: str) -> tuple[str, int, int]:
@@ -97,12 +99,28 @@ def raw_rows(text: str) -> list[dict]:
 
 
 def number(row: dict, name: str) -> float | None:
+    """A launch's value of a metric, in the table's unit; None where ncu did not report it, or
+    reported a scaled metric in a unit SCALE does not know (a wrong scale would pass unseen)."""
     value, unit = row.get(name, ("", ""))
     try:
         x = float(value.replace(",", ""))
     except ValueError:
         return None
-    return x * SCALE.get(name, {}).get(unit, 1.0)
+    if name not in SCALE:
+        return x
+    if unit not in SCALE[name]:
+        warn_once(f"ncu_mtp: {name} in unit {unit!r} is read as n/a; known units: {', '.join(SCALE[name])}")
+        return None
+    return x * SCALE[name][unit]
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(message, file=sys.stderr)
 
 
 def who(kernel: str) -> str:

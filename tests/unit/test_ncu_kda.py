@@ -49,19 +49,26 @@ def test_one_row_a_launch_in_launch_order_three_a_cell():
             "Block Limit Registers": ("block", "4"), "Achieved Occupancy": ("%", "25.46")}
     text = ncu_csv([(CONV, "(18, 23, 1)", "(64, 1, 1)", {"Waves Per SM": ("", "0.20")}),
                     (STEP, "(276, 1, 1)", "(256, 1, 1)", step), (VLLM, "(23, 12, 1)", "(256, 1, 1)", vllm),
-                    (CONV, "(18, 32, 1)", "(64, 1, 1)", {"Waves Per SM": ("", "0.27")})])
+                    (CONV, "(18, 32, 1)", "(64, 1, 1)", {"Waves Per SM": ("", "0.27")}),
+                    (STEP, "(384, 1, 1)", "(256, 1, 1)", step), (VLLM, "(32, 12, 1)", "(256, 1, 1)", vllm)])
     rows = ncu_kda.table(text, [(12, 23), (12, 32)]).splitlines()[2:]
-    assert len(rows) == 4
+    assert len(rows) == 6
     cols = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
     heads = ["cell", "kernel", "grid", "block", *ncu_kda.METRICS.values()]
     by = [dict(zip(heads, c)) for c in cols]
-    assert [b["cell"] for b in by] == ["H=12 B=23"] * 3 + ["H=12 B=32"]
+    assert [b["cell"] for b in by] == ["H=12 B=23"] * 3 + ["H=12 B=32"] * 3
     assert [b["kernel"] for b in by] == ["conv_update_f32_taps_kernel", "decode_vk_one_kernel",
-                                         "kda_decode_fusion_many_heads_kernel", "conv_update_f32_taps_kernel"]
+                                         "kda_decode_fusion_many_heads_kernel"] * 2
     assert by[1]["regs"] == "128" and by[1]["blocks/SM by regs"] == "2" and by[1]["waves/SM"] == "1.05"
     assert by[1]["duration"] == "14,496 ns" and by[1]["grid"] == "(276, 1, 1)"
     assert by[2]["static smem"] == "36,356 B" and by[2]["achieved occ. %"] == "25.46%"
     assert by[0]["regs"] == ""  # a metric ncu did not print for that launch stays empty
+
+
+def test_the_launch_table_refuses_a_launch_count_that_would_shift_the_labels():
+    launch = (CONV, "(18, 23, 1)", "(64, 1, 1)", {"Waves Per SM": ("", "0.20")})
+    with pytest.raises(SystemExit, match="profiled 4 launches, expected 3"):
+        ncu_kda.table(ncu_csv([launch] * 4), [(12, 23)])
 
 
 def test_no_metrics_names_what_ncu_printed():
@@ -114,3 +121,14 @@ def test_stalls_refuse_a_launch_count_that_would_shift_the_labels():
     rows = ncu_mtp.raw_rows(raw_csv([launch] * 5))
     with pytest.raises(SystemExit, match="profiled 5 launches, expected 6"):
         ncu_kda.stall_table(rows, [(12, 128)], calls=2)
+
+
+def test_bytes_in_a_unit_not_known_read_as_n_a_and_say_so(capsys):
+    # A scale guessed as 1 would put bytes or Tbytes in the MB column unseen.
+    rows = ncu_mtp.raw_rows(raw_csv([(STEP, "(1536, 1, 1)", {"dram__bytes_read.sum": "3"})]))
+    rows[0]["dram__bytes_read.sum"] = ("3", "Tbyte")
+    assert ncu_mtp.number(rows[0], "dram__bytes_read.sum") is None
+    assert "dram__bytes_read.sum in unit 'Tbyte' is read as n/a" in capsys.readouterr().err
+    assert ncu_mtp.medians(rows, ["dram__bytes_read.sum"]) == ["n/a"]
+    rows[0]["dram__bytes_read.sum"] = ("3", "Kbyte")
+    assert ncu_mtp.number(rows[0], "dram__bytes_read.sum") == pytest.approx(3e-3)
