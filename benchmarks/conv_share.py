@@ -451,7 +451,8 @@ def report_text(runs: list[dict], meta: dict, failures: list[str] = ()) -> str:
               f"{conv_dim()} channels, SiLU, bf16 mixed_qkv); {runs[0]['device']}; median of {len(runs)} of "
               f"{meta['procs']} processes, {meta['seconds']} s. Pages: vLLM's (conv state [3 + T - 1, "
               f"conv_dim] bf16, then the state), slot sets cycling over >= {meta['dram_mib']} MiB; CUDA graph of >= "
-              f"{mb.MIN_CALLS} calls, best of 5 replays; a one-element kernel after each call, its time subtracted.")
+              f"{mb.MIN_CALLS} calls, best of 5 replays; a one-element kernel after each call, its time subtracted. "
+              f"{meta.get('peers', 'Peers: vLLM version not recorded in this run.')}")
     return render(median, bad, meta["states"], meta["batches"], meta["tokens"], header, notes)
 
 
@@ -477,7 +478,8 @@ def run_parent(args) -> int:
     if not runs:
         return 1
     meta = dict(heads=[mb.H, mb.HV], procs=args.procs, seconds=round(time.monotonic() - started),
-                dram_mib=args.dram_mib, states=args.states, batches=args.batches, tokens=args.tokens)
+                dram_mib=args.dram_mib, states=args.states, batches=args.batches, tokens=args.tokens,
+                peers=mb.peer_versions())
     text = report_text(runs, meta, failures)
     print(text)
     if args.out:

@@ -2,9 +2,10 @@
 
     python benchmarks/fetch_vllm_ops.py [--version 0.33.0] [--cache /tmp/vllm-wheel] [--no-cuda-op]
 
-Downloads vLLM's wheel from PyPI (`pip download vllm --no-deps`; 336 MB for 0.33.0, kept in --cache
-when given, so a second run downloads nothing) and extracts into ignored folders (/.peers/ in
-.gitignore: peer code is never committed):
+Downloads vLLM's wheel from PyPI (`pip download vllm --no-deps`; 336 MB for 0.33.0, 239 MB for
+0.34.0, kept in --cache when given, so a second run downloads nothing) and extracts into ignored
+folders (/.peers/ in .gitignore: peer code is never committed), each with a VERSION file the
+benchmarks' tables quote:
 
 - .peers/vllm_fla: the Triton modules the recurrent decode kernels need (the GDN packed decode:
   ops/fused_recurrent.py, op.py, utils.py; the GDN MTP step's Triton port,
@@ -13,7 +14,9 @@ when given, so a second run downloads nothing) and extracts into ignored folders
   layer runs before the step, model_executor/layers/mamba/ops/causal_conv1d.py, for
   benchmarks/conv_share.py), with small stand-ins for the vLLM modules they import
   (vllm.triton_utils, vllm.platforms, vllm.utils.math_utils, vllm.utils.platform_utils,
-  vllm.v1.attention.backends.utils);
+  vllm.v1.attention.backends.utils). The names those modules import and the current_platform
+  methods they call are checked against the stand-ins here, so that a vLLM needing more fails
+  before a GPU machine is started;
 - .peers/cuda_op/vllm_C_stable.so.xz: vLLM's compiled ops, vllm/_C_stable_libtorch.abi3.so (92 MB;
   the GDN MTP step's CUDA op `torch.ops._C.fused_gdn_decode_post_conv_mtp` lives there), its symbol
   table stripped when `strip` keeps the op's registration, xz-compressed (x86 filter, preset 9e:
@@ -27,6 +30,7 @@ kernel_bench.py and mtp_bench.py put .peers/vllm_fla on sys.path.
 from __future__ import annotations
 
 import argparse
+import ast
 import lzma
 import shutil
 import subprocess
@@ -43,6 +47,9 @@ MODULES = (SRC + "fused_recurrent.py", SRC + "op.py", SRC + "utils.py", SRC + "f
            KDA + "fused_recurrent.py", CONV + "causal_conv1d.py")
 CUDA_OP_SO = "vllm/_C_stable_libtorch.abi3.so"
 CUDA_OP_FILE = "vllm_C_stable.so.xz"
+VERSION_FILE = "VERSION"
+FLA_DIR = ROOT / ".peers" / "vllm_fla"
+CUDA_OP_DIR = ROOT / ".peers" / "cuda_op"
 # The op's schema string, registered by the library's static initialisers: a stripped copy must keep it.
 CUDA_OP_SCHEMA = b"fused_gdn_decode_post_conv_mtp(Tensor mixed_qkv"
 # x86 branch filter then LZMA2 at its strongest: 0.5 MB smaller than `xz -9` on this library, whose
@@ -54,7 +61,14 @@ SHIMS = {
     "vllm/triton_utils.py": (
         "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice as tldevice\n"
     ),
-    "vllm/platforms.py": '''import torch
+    "vllm/platforms.py": '''from typing import NamedTuple
+
+import torch
+
+
+class DeviceCapability(NamedTuple):
+    major: int
+    minor: int
 
 
 class _CudaPlatform:
@@ -66,12 +80,24 @@ class _CudaPlatform:
     def is_cuda_alike(self):
         return True
 
+    def is_rocm(self):
+        return False
+
     def is_cpu(self):
         return False
 
+    def get_device_name(self, device_id=0):
+        return torch.cuda.get_device_name(device_id or 0)
+
+    def get_device_capability(self, device_id=0):
+        return DeviceCapability(*torch.cuda.get_device_capability(device_id or 0))
+
+    def is_device_capability(self, capability, device_id=0):
+        have = self.get_device_capability(device_id)
+        return have == tuple(capability) if isinstance(capability, tuple) else have.major * 10 + have.minor == capability
+
     def is_device_capability_family(self, capability, device_id=None):
-        major, _ = torch.cuda.get_device_capability(device_id or 0)
-        return major * 10 == capability
+        return self.get_device_capability(device_id).major * 10 == capability
 
     def is_arch_support_pdl(self):
         return torch.cuda.get_device_capability()[0] >= 9
@@ -95,7 +121,10 @@ current_platform = _CudaPlatform()
     "vllm/utils/platform_utils.py": (
         "import torch\n\n\n"
         "def num_compute_units(device_id: int = 0) -> int:\n"
-        "    return torch.cuda.get_device_properties(device_id).multi_processor_count\n"
+        "    return torch.cuda.get_device_properties(device_id).multi_processor_count\n\n\n"
+        "def cuda_get_device_properties(device, names, init_cuda=False):\n"
+        "    props = torch.cuda.get_device_properties(device)\n"
+        "    return tuple(getattr(props, name) for name in names)\n"
     ),
     # The package __init__s import the chunked prefill too; the packed decode needs none of it.
     "vllm/models/__init__.py": "",
@@ -115,6 +144,77 @@ current_platform = _CudaPlatform()
     "vllm/v1/attention/backends/__init__.py": "",
     "vllm/v1/attention/backends/utils.py": "PAD_SLOT_ID = -1\nNULL_BLOCK_ID = 0\n",
 }
+
+
+def module_name(path: str) -> str:
+    """"vllm/a/b.py" -> "vllm.a.b"; a package's "vllm/a/__init__.py" -> "vllm.a"."""
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def defined_names(tree: ast.Module) -> set[str]:
+    """What `from module import name` can take from a module: its top-level defs, classes,
+    assignments and imports, those under a top-level `if` or `try` included."""
+    names, nodes = set(), list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.If):
+            nodes += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            nodes += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def missing_stand_ins(files: dict[str, str]) -> list[str]:
+    """What vLLM's extracted modules need at import and the stand-ins lack: each top-level
+    `from vllm.X import name` must find X among `files` (path -> source) defining name, and each
+    `current_platform.attr` the modules use must be a method of the platforms stand-in. A newer vLLM
+    that asks for more fails here, before a GPU machine is started, not when a benchmark imports it."""
+    trees = {module_name(path): ast.parse(text) for path, text in files.items()}
+    platform = next((node for node in trees["vllm.platforms"].body
+                     if isinstance(node, ast.ClassDef) and node.name == "_CudaPlatform"), None)
+    methods = {f.name for f in platform.body if isinstance(f, ast.FunctionDef)} if platform else set()
+    missing = []
+    for path in MODULES:
+        tree = trees[module_name(path)]
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+                if node.module not in trees:
+                    missing.append(f"{path}: module {node.module}")
+                    continue
+                have = defined_names(trees[node.module])
+                missing += [f"{path}: {node.module}.{a.name}" for a in node.names if a.name not in have]
+        used = {n.attr for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "current_platform"}
+        missing += [f"{path}: current_platform.{attr}" for attr in sorted(used - methods)]
+    return missing
+
+
+def wheel_version(wheel: Path) -> str:
+    """vLLM's version from its wheel's file name (what --wheel hands in may not be --version)."""
+    from packaging.utils import parse_wheel_filename
+
+    return str(parse_wheel_filename(wheel.name)[1])
+
+
+def record_version(folder: Path, version: str) -> None:
+    """folder/VERSION: which vLLM the benchmarks' tables name as the peer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / VERSION_FILE).write_text(version + "\n")
+
+
+def fetched_version(folder: Path) -> str:
+    """The vLLM version fetched into folder, as the benchmarks print it."""
+    try:
+        return (folder / VERSION_FILE).read_text().strip()
+    except OSError:
+        return "version not recorded"
 
 
 def find_wheel(version: str, folder: Path) -> Path | None:
@@ -145,6 +245,10 @@ def extract_modules(zf: zipfile.ZipFile, dest: Path) -> None:
         path = dest / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    missing = missing_stand_ins({**{name: zf.read(name).decode() for name in MODULES}, **SHIMS})
+    if missing:
+        raise SystemExit("fetch_vllm_ops: this vLLM's decode modules need stand-ins SHIMS does not have yet:\n  "
+                         + "\n  ".join(missing))
 
 
 def stripped(library: Path, work: Path) -> Path:
@@ -188,8 +292,8 @@ def extract_cuda_op(zf: zipfile.ZipFile, dest: Path) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", default="0.33.0")
-    parser.add_argument("--dest", type=Path, default=ROOT / ".peers" / "vllm_fla")
-    parser.add_argument("--cuda-op-dest", type=Path, default=ROOT / ".peers" / "cuda_op",
+    parser.add_argument("--dest", type=Path, default=FLA_DIR)
+    parser.add_argument("--cuda-op-dest", type=Path, default=CUDA_OP_DIR,
                         help="folder for vllm_C_stable.so.xz (keep nothing else big in it)")
     parser.add_argument("--no-cuda-op", action="store_true", help="skip the CUDA library (only the Triton modules)")
     source = parser.add_mutually_exclusive_group()
@@ -199,11 +303,14 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fetch-vllm-") as tmp:
         wheel = args.wheel or download_wheel(args.version, args.cache or Path(tmp))
+        version = wheel_version(wheel)
         with zipfile.ZipFile(wheel) as zf:
             extract_modules(zf, args.dest)
-            print(f"vLLM {args.version} GDN and KDA decode ops in {args.dest} (from {wheel.name})")
+            record_version(args.dest, version)
+            print(f"vLLM {version} GDN and KDA decode ops in {args.dest} (from {wheel.name})")
             if not args.no_cuda_op:
                 extract_cuda_op(zf, args.cuda_op_dest)
+                record_version(args.cuda_op_dest, version)
     return 0
 
 

@@ -525,7 +525,7 @@ def method_text(args, procs_done: int, seconds: float) -> str:
             f"raw_g, raw_beta, output_gate, out) ÷ its time, against a {report.COPY_CAP_BYTES >> 20} MiB copy's "
             f"bandwidth (a copy of each "
             f"cell's own bytes is timed too, in the .json). {procs_done} of {args.procs} processes, "
-            f"{seconds:.0f} s.")
+            f"{seconds:.0f} s. Peer: vLLM's op ({mb.fetched_version(mb.CUDA_OP_DIR)}).")
 
 
 def worker_command(args, so: str, so_reason: str, result: Path) -> list[str]:

@@ -36,6 +36,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # fetch_vllm_ops (also under `python -P`)
+from fetch_vllm_ops import FLA_DIR, fetched_version  # noqa: E402
+
 K = V = 128
 SHAPES = {"qwen3-next": (16, 32), "kimi-linear": (32, 32)}
 CALLS, REPLAYS = 50, 5
@@ -261,7 +264,7 @@ def main() -> int:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     cols = list(variants) + ["auto padded", "vllm", "fla", "auto eager", "vllm eager"]
     cols = [c for c in cols if any(c in r for r in rows)]
-    device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; vLLM's Triton decode ({fetched_version(FLA_DIR)})"
     table = render(rows, device, cols)
     # bf16 vs fp32 state at the same setting, for the >= 1.8x target
     by = {(r["op"], r["shape"], r["layout"], r["gates"], r["B"], r["state"]): r["auto"] for r in rows}

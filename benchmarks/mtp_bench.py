@@ -112,6 +112,7 @@ sys.path.insert(0, str(HERE))  # mtp_report, kernel_bench (also under `python -P
 sys.path.append(str(ROOT))  # cudelta from the source tree where it is not installed
 
 import mtp_report as report  # noqa: E402
+from fetch_vllm_ops import CUDA_OP_DIR, FLA_DIR, fetched_version  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128  # --heads sets H and HV for the whole process (set_heads)
 CONV_BYTES = 3 * (2 * H * K + HV * V) * 2  # conv state of a page: (kernel 4 - 1) x conv channels, bf16
@@ -177,6 +178,11 @@ def unpack_cuda_op(archive: Path | None, folder: Path) -> tuple[str, str]:
     return str(target), ""
 
 
+def peer_versions() -> str:
+    """Which vLLM the peers came from, as fetch_vllm_ops.py recorded it."""
+    return f"Peers: vLLM's CUDA op ({fetched_version(CUDA_OP_DIR)}), Triton modules ({fetched_version(FLA_DIR)})."
+
+
 def worker_command(args, so: str, so_reason: str, result: Path) -> list[str]:
     safe_path = ["-P"] if getattr(sys.flags, "safe_path", False) else []  # as the parent was started
     cmd = [sys.executable, *safe_path, str(Path(__file__).resolve()), "--worker", str(result)]
@@ -220,7 +226,7 @@ def run_parent(args) -> int:
               f"cycling over >= {args.dram_mib} MiB; CUDA graph of >= {MIN_CALLS} calls, best of 5 replays, "
               f"per process; {between}; num_accepted_tokens in 1..T; norm_eps {NORM_EPS}, silu gate. % of copy: a "
               f"device copy of the step's bytes (state read once + written T times + q/k/v/z/out). "
-              f"{len(runs)} of {args.procs} processes, {time.monotonic() - started:.0f} s.")
+              f"{len(runs)} of {args.procs} processes, {time.monotonic() - started:.0f} s. {peer_versions()}")
     text = report.render_report(merged, args.states, args.batches, args.tokens, method, heads=(H, HV))
     if failures:
         text += "\n" + "; ".join(failures) + "\n"

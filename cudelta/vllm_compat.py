@@ -1,5 +1,6 @@
-"""A drop-in for vLLM 0.33's GDN decode calls (and Kimi K3's KDA layer step, `fused_kda_decode`, below),
-with vLLM's signatures and argument rules:
+"""A drop-in for vLLM's GDN decode calls (and Kimi K3's KDA layer step, `fused_kda_decode`, below),
+with vLLM's signatures and argument rules (0.33's and 0.34's: the calls' Python signatures are the
+same in both, and 0.34's MTP op takes up to 9 tokens a request where 0.33's took 8):
 
     # before
     from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
@@ -41,7 +42,7 @@ from .ops import _decode, gdn_decode
 from .reference import decode_reference
 
 MTP_HEAD_DIM = 128  # the CUDA op's K = V
-MTP_MAX_TOKENS = 8  # state_indices [N, S] with 1 <= S <= 8
+MTP_MAX_TOKENS = 9  # state_indices [N, S] with 1 <= S <= 9 (vLLM 0.34; 0.33 took S <= 8)
 MTP_HEAD_GROUPS = (1, 2, 3, 4, 8)  # HV / H
 MTP_ACTIVATIONS = ("silu", "sigmoid")
 

@@ -50,9 +50,10 @@ VARLEN = (3, 0, 8, 1, 5, 2)
 PAD_TOKENS = 2
 # "varlen2" and "varlen4" the same with at most two or four tokens a request (vLLM's call with one
 # or three draft tokens, some requests short or empty): the few-token kernel's forms, not in
-# TOKEN_FORMS (the matrix's pairs stay as they are); "varlen1" vLLM's call without draft tokens.
+# TOKEN_FORMS (the matrix's pairs stay as they are); "varlen1" vLLM's call without draft tokens;
+# "varlen9" vLLM 0.34's call with eight draft tokens, its op's most (S <= 9).
 VARLEN_COUNTS = {"varlen": VARLEN, "varlen1": (1, 0, 1, 1, 1, 1), "varlen2": (2, 0, 1, 2, 2, 1),
-                 "varlen4": (4, 0, 3, 1, 4, 2)}
+                 "varlen4": (4, 0, 3, 1, 4, 2), "varlen9": (9, 0, 9, 2, 1, 9)}
 
 
 def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -> bool:
@@ -586,4 +587,5 @@ ENGINE = [
 
 # vLLM's MTP call as its GDN layer makes it, at T = 1, 2, 4, 8 and T varying per request, with both state dtypes.
 VLLM_CALLS = [Case(tokens=tokens, state=state, seed=400 + i) for i, (tokens, state) in enumerate(
-    [("single", "bf16"), ("T2", "fp32"), ("T4", "bf16"), ("T8", "fp32"), ("varlen", "bf16"), ("varlen", "fp32")])]
+    [("single", "bf16"), ("T2", "fp32"), ("T4", "bf16"), ("T8", "fp32"), ("varlen", "bf16"), ("varlen", "fp32"),
+     ("varlen9", "bf16")])]

@@ -30,13 +30,14 @@ product is about 830,000 calls; MATRIX holds every pair of values of every two o
 once (greedy pairwise, mtp_cases.pairwise; the unit test checks the coverage): 33 calls at
 K = V = 128. Then: HEAD_DIMS, 10 calls with K, V of 64 and 256 (both layouts and state dtypes
 each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Next's heads 16/32,
-its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8 and varying T (6). Beyond
+its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8, varying T, and up to 9
+tokens a request (vLLM 0.34's most) (7). Beyond
 those: T = 1 with the epilogue only (12), vLLM's T = 1 call in every range of the one-token launch
 rule (16), the streaming kernel's row groups on small grids (5), its staging-first build (8), the
 few-token kernel in each range of its launch rule (14) and in clusters of 4 and 2 blocks a head (5), the epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
 paddings and against a contiguous pool bit for bit (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
-tensors (5), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-130 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
+tensors (6, one with nine tokens a request), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
+139 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
 is most of the rest, a few seconds for the largest engine batch.
 """
 
@@ -290,15 +291,16 @@ def packed_mtp_args(step: mc.Step) -> dict:
                 norm_eps=step.case.eps, output_gate_activation=step.case.epilogue)
 
 
-# (state dtype, activation, HV / H): vLLM's op takes HV / H in {1, 2, 3, 4, 8}
-VLLM_DROP_IN = [("bf16", "silu", 2), ("fp32", "sigmoid", 3), ("bf16", "sigmoid", 8), ("fp32", "silu", 1),
-                ("bf16", "silu", 4)]
+# (state dtype, activation, HV / H, token counts): vLLM's op takes HV / H in {1, 2, 3, 4, 8}, and from
+# 0.34 up to 9 tokens a request
+VLLM_DROP_IN = [("bf16", "silu", 2, "varlen"), ("fp32", "sigmoid", 3, "varlen"), ("bf16", "sigmoid", 8, "varlen"),
+                ("fp32", "silu", 1, "varlen"), ("bf16", "silu", 4, "varlen"), ("fp32", "silu", 2, "varlen9")]
 
 
-@pytest.mark.parametrize("state,activation,group", VLLM_DROP_IN)
-def test_vllm_mtp_drop_in_on_cuda_equals_the_same_call_on_cpu(state, activation, group):
+@pytest.mark.parametrize("state,activation,group,tokens", VLLM_DROP_IN)
+def test_vllm_mtp_drop_in_on_cuda_equals_the_same_call_on_cpu(state, activation, group, tokens):
     case = mc.Case(state=state, epilogue=activation, group=group, out="buffer" if group % 2 else "new",
-                   seed=530 + group)
+                   tokens=tokens, seed=530 + group + 10 * (tokens == "varlen9"))
     gpu, cpu = mc.build(case, DEVICE), mc.build(case, "cpu")
     before = mc.snapshot(gpu)
     out = vllm_compat.fused_gdn_decode_post_conv_mtp(**packed_mtp_args(gpu))

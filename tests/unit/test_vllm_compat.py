@@ -120,6 +120,24 @@ def test_mtp_matches_the_loop_on_vllm_s_pool(state_dtype, activation, norm_dtype
         assert torch.equal(pages[s], before[s]) == (s not in written), s
 
 
+def test_mtp_takes_nine_tokens_a_request_as_vllm_0_34_s_op_does():
+    # vLLM 0.34 raised its op's limit to S = 9 columns (eight draft tokens and the bonus token).
+    lens, H, HV, D = [9, 2, 9], 2, 4, 128
+    x = packed(sum(lens), H, HV, D, D, seed=35)
+    pages, state = vllm_pool(24, HV, D, D, "vk", torch.bfloat16, conv_bytes=3 * 2048, pad_bytes=256)
+    idx = torch.tensor([list(range(1, 10)), [10, 11] + [0] * 7, list(range(12, 21))], dtype=torch.int32)
+    t = dict(state_indices=idx, cu_seqlens=torch.tensor([0, 9, 11, 20], dtype=torch.int32),
+             num_accepted_tokens=torch.tensor([9, 1, 4], dtype=torch.int32), norm_weight=x["w"])
+    before, expected_state = pages.clone(), state.clone()
+    expected = loop(x, expected_state, idx, H, D, D, D ** -0.5, True, cu_seqlens=t["cu_seqlens"].tolist(),
+                    accepted=t["num_accepted_tokens"], z=x["output_gate"], norm_weight=x["w"], eps=1e-6, act="silu")
+    out = mtp(x, state, t, norm_eps=1e-6)
+    torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(state.float(), expected_state.float(), rtol=8e-3, atol=1e-5)
+    for s in range(24):  # every named slot gets its token's state; 0 (the null block) and 21-23 none
+        assert torch.equal(pages[s], before[s]) == (s == 0 or s > 20), s
+
+
 def test_mtp_writes_into_the_given_out_and_returns_it():
     x, _, state, t = mtp_inputs(torch.bfloat16, seed=33)
     buf = torch.full((10, 4, 128), float("nan"), dtype=torch.bfloat16)
@@ -204,8 +222,8 @@ MTP_CASES = [
     ("mixed_qkv", "mixed_qkv[:, :-128]", r"mixed_qkv width 896 is inconsistent with state: it must be 2 \* H \* 128 \+ "
      r"HV \* 128 with HV=4 and H >= 1"),
     ("state", "torch.zeros(4, 6, 128, 128)", r"HV/H must be one of \(1, 2, 3, 4, 8\); got HV=6, H=1"),
-    ("state_indices", "torch.ones(5, 9, dtype=torch.int32)", r"state_indices must have shape \[N, S\] with 1 <= S "
-     r"<= 8; got \(5, 9\)"),
+    ("state_indices", "torch.ones(5, 10, dtype=torch.int32)", r"state_indices must have shape \[N, S\] with 1 <= S "
+     r"<= 9; got \(5, 10\)"),
     ("cu_seqlens", "cu_seqlens[:5]", r"cu_seqlens must have N \+ 1 = 6 elements; got 5"),
     ("num_accepted_tokens", "num_accepted_tokens[:4]", r"num_accepted_tokens must have N = 5 elements; got 4"),
     ("A_log", "torch.randn(8)[::2]", r"A_log must be contiguous with HV=4 elements; got 4 elements, strides \(2,\)"),
@@ -321,7 +339,7 @@ def test_the_pair_writes_the_conv_into_conv_out_and_leaves_mixed_qkv():
 PAIR_CASES = [
     # the step's rules refuse before the conv has written anything
     ("out", "out.float()", r"out must be a bfloat16 tensor; got torch.float32"),
-    ("state_indices", "state_indices[:, :0]", r"state_indices must have shape \[N, S\] with 1 <= S <= 8"),
+    ("state_indices", "state_indices[:, :0]", r"state_indices must have shape \[N, S\] with 1 <= S <= 9"),
     ("num_accepted_tokens", "num_accepted_tokens[:4]", r"num_accepted_tokens"),
     # and the conv's before the step
     ("conv_weight", "conv_weight[:, :1]",
