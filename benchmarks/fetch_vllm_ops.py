@@ -94,7 +94,9 @@ class _CudaPlatform:
 
     def is_device_capability(self, capability, device_id=0):
         have = self.get_device_capability(device_id)
-        return have == tuple(capability) if isinstance(capability, tuple) else have.major * 10 + have.minor == capability
+        if isinstance(capability, tuple):
+            return have == capability
+        return have.major * 10 + have.minor == capability
 
     def is_device_capability_family(self, capability, device_id=None):
         return self.get_device_capability(device_id).major * 10 == capability
@@ -235,6 +237,13 @@ def download_wheel(version: str, folder: Path) -> Path:
 
 
 def extract_modules(zf: zipfile.ZipFile, dest: Path) -> None:
+    """vLLM's modules and the stand-ins into dest, checked first (a vLLM needing more stand-ins
+    leaves dest as it was); dest's VERSION goes while they are replaced, record_version writes it."""
+    missing = missing_stand_ins({**{name: zf.read(name).decode() for name in MODULES}, **SHIMS})
+    if missing:
+        raise SystemExit("fetch_vllm_ops: this vLLM's decode modules need stand-ins SHIMS does not have yet:\n  "
+                         + "\n  ".join(missing))
+    (dest / VERSION_FILE).unlink(missing_ok=True)
     for name in MODULES:
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -245,10 +254,6 @@ def extract_modules(zf: zipfile.ZipFile, dest: Path) -> None:
         path = dest / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    missing = missing_stand_ins({**{name: zf.read(name).decode() for name in MODULES}, **SHIMS})
-    if missing:
-        raise SystemExit("fetch_vllm_ops: this vLLM's decode modules need stand-ins SHIMS does not have yet:\n  "
-                         + "\n  ".join(missing))
 
 
 def stripped(library: Path, work: Path) -> Path:
@@ -309,6 +314,7 @@ def main() -> int:
             record_version(args.dest, version)
             print(f"vLLM {version} GDN and KDA decode ops in {args.dest} (from {wheel.name})")
             if not args.no_cuda_op:
+                (args.cuda_op_dest / VERSION_FILE).unlink(missing_ok=True)
                 extract_cuda_op(zf, args.cuda_op_dest)
                 record_version(args.cuda_op_dest, version)
     return 0

@@ -31,14 +31,15 @@ once (greedy pairwise, mtp_cases.pairwise; the unit test checks the coverage): 3
 K = V = 128. Then: HEAD_DIMS, 10 calls with K, V of 64 and 256 (both layouts and state dtypes
 each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Next's heads 16/32,
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8, varying T, and up to 9
-tokens a request (vLLM 0.34's most) (7). Beyond
-those: T = 1 with the epilogue only (12), vLLM's T = 1 call in every range of the one-token launch
-rule (16), the streaming kernel's row groups on small grids (5), its staging-first build (8), the
-few-token kernel in each range of its launch rule (14) and in clusters of 4 and 2 blocks a head (5), the epilogue against the reference's epilogue of the unfused output, vLLM's padded pool with other
-paddings and against a contiguous pool bit for bit (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU
-tensors (6, one with nine tokens a request), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-139 tests in all: a few seconds of GPU time; the host's share (drawing the pools, the float64 loop)
-is most of the rest, a few seconds for the largest engine batch.
+tokens a request (vLLM 0.34's most) (7). Beyond those: T = 1 with the epilogue only (12), vLLM's T =
+1 call in every range of the one-token launch rule (16), the streaming kernel's row groups on small
+grids (5), its staging-first build (8), the few-token kernel in each range of its launch rule (14)
+and in clusters of 4 and 2 blocks a head (5), the epilogue against the reference's epilogue of the
+unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
+(4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU tensors
+(6, one with nine tokens a request), torch.compile(fullgraph=True) and CUDA-graph capture and replay
+with new inputs. 139 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
+the float64 loop) is most of the rest, a few seconds for the largest engine batch.
 """
 
 import sys

@@ -2,6 +2,7 @@
 decode modules import, and the version the benchmarks' tables quote."""
 
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,18 @@ def test_the_platform_stand_in_answers_capability_questions_as_vllm_s_does(monke
     assert not platform.is_device_capability(100) and not platform.is_device_capability((9, 1))
     assert platform.is_device_capability_family(90) and not platform.is_device_capability_family(100)
     assert platform.get_device_capability(0).major == 9 and not platform.is_rocm()
+
+
+def test_a_vllm_needing_more_stand_ins_leaves_the_fetched_folder_as_it_was(tmp_path):
+    wheel = tmp_path / "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name in fetch.MODULES:
+            zf.writestr(name, "from vllm.platforms import current_platform\nx = current_platform.is_xpu()\n"
+                        if name == RECURRENT else "")
+    dest = tmp_path / "vllm_fla"
+    fetch.record_version(dest, "0.33.0")
+    (dest / "kept.py").write_text("old")
+    with zipfile.ZipFile(wheel) as zf, pytest.raises(SystemExit, match="current_platform.is_xpu"):
+        fetch.extract_modules(zf, dest)
+    assert sorted(p.name for p in dest.iterdir()) == ["VERSION", "kept.py"]
+    assert fetch.fetched_version(dest) == "0.33.0"
