@@ -1,6 +1,6 @@
 """Fetch vLLM's GDN/KDA decode ops for the benchmarks, without installing vLLM.
 
-    python benchmarks/fetch_vllm_ops.py [--version 0.33.0] [--cache /tmp/vllm-wheel] [--no-cuda-op]
+    python benchmarks/fetch_vllm_ops.py [--version 0.34.0] [--cache /tmp/vllm-wheel] [--no-cuda-op]
 
 Downloads vLLM's wheel from PyPI (`pip download vllm --no-deps`; 336 MB for 0.33.0, 239 MB for
 0.34.0, kept in --cache when given, so a second run downloads nothing) and extracts into ignored
@@ -17,10 +17,11 @@ benchmarks' tables quote:
   vllm.v1.attention.backends.utils). The names those modules import and the current_platform
   methods they call are checked against the stand-ins here, so that a vLLM needing more fails
   before a GPU machine is started;
-- .peers/cuda_op/vllm_C_stable.so.xz: vLLM's compiled ops, vllm/_C_stable_libtorch.abi3.so (92 MB;
-  the GDN MTP step's CUDA op `torch.ops._C.fused_gdn_decode_post_conv_mtp` lives there), its symbol
-  table stripped when `strip` keeps the op's registration, xz-compressed (x86 filter, preset 9e:
-  about 60 MiB, one minute or two of one core). The folder holds nothing else big, so the device tool
+- .peers/cuda_op/vllm_C_stable.so.xz: vLLM's compiled ops, vllm/_C_stable_libtorch.abi3.so (92 MB
+  in 0.33.0, 89 MB in 0.34.0; the GDN MTP step's CUDA op `torch.ops._C.fused_gdn_decode_post_conv_mtp`
+  lives there), its symbol table stripped when `strip` keeps the op's registration, xz-compressed
+  (x86 filter, preset 9e: about 60 MiB for 0.33.0, 55.4 MiB for 0.34.0, half a minute to two
+  minutes of one core). The folder holds nothing else big, so the device tool
   can carry it alone (`carry: [".peers/cuda_op", ".peers/vllm_fla"]`: its 64 MiB carry limit counts
   the working tree too). mtp_bench.py decompresses it with Python's lzma and loads it.
 
@@ -296,7 +297,8 @@ def extract_cuda_op(zf: zipfile.ZipFile, dest: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", default="0.33.0")
+    # The newest vLLM the stand-ins cover; the results files up to December 2026 ran against 0.33.0.
+    parser.add_argument("--version", default="0.34.0")
     parser.add_argument("--dest", type=Path, default=FLA_DIR)
     parser.add_argument("--cuda-op-dest", type=Path, default=CUDA_OP_DIR,
                         help="folder for vllm_C_stable.so.xz (keep nothing else big in it)")

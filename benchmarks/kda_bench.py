@@ -57,8 +57,9 @@ would not see, no number without a check):
   raw_beta (H*2), output_gate (H*128*2) and out (H*128*2). The weights (conv weight, A_log, dt_bias,
   norm weight) are read once per call for all requests and are not counted.
 
-vLLM 0.33.0's op, as its wheel defines and calls it (vllm/_custom_ops.py, the library's check
-messages, vllm/models/kimi_k3/nvidia/kda.py):
+vLLM's op, as 0.33.0's wheel defines and calls it (vllm/_custom_ops.py, the library's check
+messages, vllm/models/kimi_k3/nvidia/kda.py; 0.34.0's wrapper, call and kernel instantiations are
+the same):
 - torch.ops._C.fused_kda_decode(Tensor x, Tensor weight, Tensor? bias, Tensor! conv_state,
   Tensor raw_g, Tensor raw_beta, Tensor A_log, Tensor dt_bias, Tensor state_indices, Tensor! state,
   Tensor! out, float? lower_bound=None, Tensor? output_gate=None, Tensor? norm_weight=None,

@@ -54,8 +54,10 @@ see, no number without a check):
   read once and written T times, q/k/v/z/out), i.e. copying half of them, capped at 256 MiB (beyond
   it the time is scaled by the bytes), cycling sets over >= 256 MiB as the step does.
 
-vLLM 0.33.0's CUDA op, as its wheel defines and calls it (vllm/_custom_ops.py, the library's
-registered schema and check messages, vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py):
+vLLM's CUDA op, as 0.33.0's wheel defines and calls it (vllm/_custom_ops.py, the library's
+registered schema and check messages, vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py;
+0.34.0's wrapper and call are the same, its kernel takes a third template parameter of 1, 2 or 4 and
+S <= 9 columns):
 - torch.ops._C.fused_gdn_decode_post_conv_mtp, registered for the CUDA dispatch key only by
   vllm/_C_stable_libtorch.abi3.so (LibTorch stable ABI; it links libtorch, libcudart.so.13 and the
   driver's libcuda.so.1; the library's fat binaries hold cubins for sm_75/80/86/89/90/100/120, PTX
