@@ -56,8 +56,9 @@ see, no number without a check):
 
 vLLM's CUDA op, as 0.33.0's wheel defines and calls it (vllm/_custom_ops.py, the library's
 registered schema and check messages, vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py;
-0.34.0's wrapper and call are the same, its kernel takes a third template parameter of 1, 2 or 4 and
-S <= 9 columns):
+0.34.0's wrapper and call are the same; its kernel takes S <= 9 columns and a third template
+parameter, the blocks a head's value rows are split over (1, 2 or 4: choose_split_v in its launcher
+takes 4 when requests x heads <= SMs / 2, 2 up to the SM count, on sm_90+)):
 - torch.ops._C.fused_gdn_decode_post_conv_mtp, registered for the CUDA dispatch key only by
   vllm/_C_stable_libtorch.abi3.so (LibTorch stable ABI; it links libtorch, libcudart.so.13 and the
   driver's libcuda.so.1; the library's fat binaries hold cubins for sm_75/80/86/89/90/100/120, PTX
