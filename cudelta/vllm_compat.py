@@ -45,6 +45,7 @@ MTP_HEAD_DIM = 128  # the CUDA op's K = V
 MTP_MAX_TOKENS = 9  # state_indices [N, S] with 1 <= S <= 9 (vLLM 0.34; 0.33 took S <= 8)
 MTP_HEAD_GROUPS = (1, 2, 3, 4, 8)  # HV / H
 MTP_ACTIVATIONS = ("silu", "sigmoid")
+CONV_WIDTHS = (2, 7)  # causal_conv1d_update's, from vLLM 0.34 (0.33 did not check)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -307,12 +308,21 @@ def conv_then_gdn_decode_post_conv_mtp(
         conv_state_indices = state_indices[:, 0]
     _same_device(mixed_qkv=mixed_qkv, conv_state=conv_state, conv_weight=conv_weight,
                  conv_state_indices=conv_state_indices, conv_out=conv_out)
+    _conv_width_rule(conv_weight)
     check_conv_call(mixed_qkv, conv_state, conv_weight, conv_bias, activation, conv_state_indices, cu_seqlens,
                     num_accepted_tokens, conv_out)
     conv.run_checked(mixed_qkv, conv_state, conv_weight, conv_bias, activation, conv_state_indices, cu_seqlens,
                      num_accepted_tokens, int(null_block_id), conv_out)
     return _mtp_step(H, conv_out, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
                      output_gate, norm_weight, out, scale, norm_eps, output_gate_activation, early_state=True)
+
+
+def _conv_width_rule(weight: torch.Tensor) -> None:
+    """vLLM 0.34's causal_conv1d_update refuses a weight [dim, width] wider than CONV_WIDTHS' last
+    (cudelta's conv takes any width >= 2, and names a narrower weight and the other shapes itself)."""
+    _require(weight.dim() != 2 or weight.shape[1] <= CONV_WIDTHS[1],
+             f"causal_conv1d_update supports widths {CONV_WIDTHS[0]} to {CONV_WIDTHS[1]} (vLLM 0.34's rule), got "
+             f"{weight.shape[1]}")
 
 
 def _conv_activation(activation: "bool | str | None") -> Optional[str]:
@@ -351,6 +361,7 @@ def causal_conv1d_update(
              "query_start_loc and num_accepted_tokens go together (speculative decoding) or not at all "
              "(one token a row); the varlen form without accepted tokens is vLLM's prefill path, not taken")
     _require(null_block_id is not None, "null_block_id must be an int (vLLM's null block, 0)")
+    _conv_width_rule(weight)
     if conv_state_indices is None:
         batch = x.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
         conv_state_indices = torch.arange(batch, dtype=torch.int32, device=x.device)

@@ -68,3 +68,18 @@ def test_a_wrong_shape_is_named_before_anything_is_written():
     with pytest.raises(ValueError, match=r"weight must be \[dim=16, width >= 2\]"):
         conv.causal_conv1d_update(x, state, w[:8], b, "silu", torch.tensor([1, 2, 3]))
     assert torch.equal(state, before)
+
+
+@pytest.mark.parametrize("width,taken", [(7, True), (8, False)])
+def test_the_drop_in_takes_vllm_0_34_s_widths_and_refuses_wider(width, taken):
+    # vLLM 0.34's causal_conv1d_update takes widths 2 to 7 and refuses others; cudelta.conv takes any.
+    x, state, w, b = case(width=width, state_len=width - 1)
+    before = state.clone()
+    if taken:
+        want = causal_conv1d_update_reference(x.clone(), state.clone(), w, b, "silu", torch.tensor([1, 2, 3]))
+        assert torch.equal(vllm_compat.causal_conv1d_update(x, state, w, b, True, torch.tensor([1, 2, 3])), want)
+        return
+    with pytest.raises(ValueError, match="causal_conv1d_update supports widths 2 to 7 \\(vLLM 0.34's rule\\), got 8"):
+        vllm_compat.causal_conv1d_update(x, state, w, b, True, torch.tensor([1, 2, 3]))
+    assert torch.equal(state, before)
+    assert conv.causal_conv1d_update(x, state, w, b, "silu", torch.tensor([1, 2, 3])).shape == x.shape

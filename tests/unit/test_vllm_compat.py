@@ -346,6 +346,8 @@ PAIR_CASES = [
      r"weight must be \[dim=1024, width >= 2\], or \[segments, width, dim / segments\].*; got shape \(1024, 1\)"),
     ("conv_state", "conv_state[:, :, :2]", r"conv_state must be \[slots, dim=1024, state_len >= width - 1 = 3\]"),
     ("activation", "'relu'", r"activation must be True, False, None, 'silu' or 'swish'; got 'relu'"),
+    ("conv_weight", "torch.randn(1024, 8, dtype=torch.bfloat16)",
+     r"causal_conv1d_update supports widths 2 to 7 \(vLLM 0.34's rule\), got 8"),
     ("conv_state_indices", "conv_state_indices[:3]", r"cu_seqlens must be \[N \+ 1 = 4\]; got shape \(6,\)"),
 ]
 
