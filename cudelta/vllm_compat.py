@@ -24,9 +24,10 @@ cu_seqlens[N] (an engine's padding tokens, which vLLM leaves as they were) are z
 `causal_conv1d_update` (vLLM's vllm/model_executor/layers/mamba/ops/causal_conv1d.py signature), the
 conv that precedes the step in vLLM's GDN layer, runs cudelta's conv kernel (cudelta.conv; not fused
 into the step yet) in the two forms the layer's decode calls: one token a row ([batch, dim]), and
-the speculative varlen form (query_start_loc with num_accepted_tokens). Like vLLM's, it writes x in
-place unless `out` is given. It is correct, but at B <= 32 slower than vLLM's Triton kernel
-(benchmarks/results-h200-conv.md): an engine keeps vLLM's conv in front of the step for now.
+the speculative varlen form (query_start_loc with num_accepted_tokens), widths up to 7 as vLLM 0.34
+checks. Like vLLM's, it writes x in place unless `out` is given. It is correct, but at B <= 32
+slower than vLLM's Triton kernel (benchmarks/results-h200-conv.md): an engine keeps vLLM's conv in
+front of the step for now.
 """
 
 from __future__ import annotations
