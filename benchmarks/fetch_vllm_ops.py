@@ -240,21 +240,17 @@ def download_wheel(version: str, folder: Path) -> Path:
 def extract_modules(zf: zipfile.ZipFile, dest: Path) -> None:
     """vLLM's modules and the stand-ins into dest, checked first (a vLLM needing more stand-ins
     leaves dest as it was); dest's VERSION goes while they are replaced, record_version writes it."""
-    missing = missing_stand_ins({**{name: zf.read(name).decode() for name in MODULES}, **SHIMS})
+    modules = {name: zf.read(name).decode() for name in MODULES}
+    missing = missing_stand_ins({**modules, **SHIMS})
     if missing:
         raise SystemExit("fetch_vllm_ops: this vLLM's decode modules need stand-ins SHIMS does not have yet:\n  "
                          + "\n  ".join(missing))
-    (dest / VERSION_FILE).unlink(missing_ok=True)
-    for name in MODULES:
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(zf.read(name))
     license_name = SRC.rsplit("ops/", 1)[0] + "LICENSE"
-    (dest / license_name).write_bytes(zf.read(license_name))
-    for rel, text in SHIMS.items():
+    (dest / VERSION_FILE).unlink(missing_ok=True)
+    for rel, text in {**modules, license_name: zf.read(license_name).decode(), **SHIMS}.items():
         path = dest / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_text(text, encoding="utf-8")
 
 
 def stripped(library: Path, work: Path) -> Path:
@@ -287,6 +283,7 @@ def extract_cuda_op(zf: zipfile.ZipFile, dest: Path) -> Path:
         partial = target.with_suffix(".partial")
         with open(small, "rb") as src, lzma.open(partial, "wb", format=lzma.FORMAT_XZ, filters=XZ_FILTERS) as out:
             shutil.copyfileobj(src, out, 1 << 24)
+        (dest / VERSION_FILE).unlink(missing_ok=True)  # record_version names the new library
         partial.replace(target)
         mib = 1 << 20
         print(f"vLLM's CUDA ops: {CUDA_OP_SO} {library.stat().st_size / mib:.1f} MiB, "
@@ -316,7 +313,6 @@ def main() -> int:
             record_version(args.dest, version)
             print(f"vLLM {version} GDN and KDA decode ops in {args.dest} (from {wheel.name})")
             if not args.no_cuda_op:
-                (args.cuda_op_dest / VERSION_FILE).unlink(missing_ok=True)
                 extract_cuda_op(zf, args.cuda_op_dest)
                 record_version(args.cuda_op_dest, version)
     return 0

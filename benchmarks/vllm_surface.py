@@ -150,13 +150,10 @@ def instantiations(kernels: set[str]) -> dict[str, str]:
 
 
 def library_changes(old: dict, new: dict) -> list[str]:
-    lines = []
-    if old["kernels"] is None or new["kernels"] is None:
-        return [f"- library string gone: {s}" for s in sorted(old["messages"] - new["messages"])] \
-            + [f"- library string new: {s}" for s in sorted(new["messages"] - old["messages"])] \
-            + ["- kernels and helper functions: not compared (no `nm` on PATH)"]
-    lines += [f"- library string gone: {s}" for s in sorted(old["messages"] - new["messages"])]
+    lines = [f"- library string gone: {s}" for s in sorted(old["messages"] - new["messages"])]
     lines += [f"- library string new: {s}" for s in sorted(new["messages"] - old["messages"])]
+    if old["kernels"] is None or new["kernels"] is None:
+        return lines + ["- kernels and helper functions: not compared (no `nm` on PATH)"]
     before, after = instantiations(old["kernels"]), instantiations(new["kernels"])
     for name in sorted(before.keys() | after.keys()):
         if before.get(name) != after.get(name):

@@ -585,7 +585,8 @@ ENGINE = [
     Case(H=16, group=4, N=24, tokens="T4", seed=305),
 ]
 
-# vLLM's MTP call as its GDN layer makes it, at T = 1, 2, 4, 8 and T varying per request, with both state dtypes.
+# vLLM's MTP call as its GDN layer makes it, at T = 1, 2, 4, 8, T varying per request and up to 9 (vLLM 0.34),
+# with both state dtypes.
 VLLM_CALLS = [Case(tokens=tokens, state=state, seed=400 + i) for i, (tokens, state) in enumerate(
     [("single", "bf16"), ("T2", "fp32"), ("T4", "bf16"), ("T8", "fp32"), ("varlen", "bf16"), ("varlen", "fp32"),
      ("varlen9", "bf16")])]
