@@ -636,8 +636,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"B {QUICK['batches']}, T {QUICK['tokens']}")
     parser.add_argument("--batches", type=int, nargs="+", help=f"default {FULL['batches']}")
-    parser.add_argument("--tokens", type=int, nargs="+", choices=range(1, 9), metavar="T",
-                        help=f"tokens per request, 1..8; default {FULL['tokens']}")
+    parser.add_argument("--tokens", type=int, nargs="+", choices=range(1, 10), metavar="T",
+                        help=f"tokens per request, 1..9 (vLLM 0.34's op takes 9, 0.33's 8); default {FULL['tokens']}")
     parser.add_argument("--states", nargs="+", choices=STATES, default=STATES)
     parser.add_argument("--heads", type=parse_heads, default=(H, HV), metavar="H/HV",
                         help="q/k heads / v heads, default 16/32; the issue's shapes: " +

@@ -7,19 +7,26 @@
 #
 # Environment: HEADS (16/32 4/8 32/32 16/64), PROCS (3), TESTS (tests/gpu/test_mtp_gpu.py; "none"
 # skips them), ARCH (9.0a), STOP_AFTER (seconds: no new head shape starts past it; 400, so that a
-# call stays inside the device's 10-minute limit). What comes back, in $OUT or /tmp/tables: tests.txt,
-# mtp-H-HV.md a head shape, and numbers.tar.gz, their per-process numbers (mtp-H-HV.json, what
-# mtp_bench.py writes beside its tables; one archive since the device returns at most 8 files). Exits 1
-# when the tests fail or a head shape's run does (what did finish still comes back).
+# call stays inside the device's 10-minute limit), BUILD (a folder to build into, which a later call
+# on a still-warm machine reuses: the build is skipped when it already holds cudelta). What comes
+# back, in $OUT or /tmp/tables: tests.txt, mtp-H-HV.md a head shape, and numbers.tar.gz, their
+# per-process numbers (mtp-H-HV.json, what mtp_bench.py writes beside its tables; one archive since
+# the device returns at most 8 files). Exits 1 when the tests fail or a head shape's run does (what
+# did finish still comes back).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/tables}; work=$(mktemp -d); mkdir -p "$out"
+build=${BUILD:-$work/build}
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
-CUDELTA_CUDA_ARCHS=${ARCH:-9.0a} FORCE_BUILD=1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps --no-index \
-  -q --target "$work/build" . > "$work/build.log" 2>&1 || { tail -20 "$work/build.log"; exit 1; }
-echo "build $(( $(date +%s) - t0 )) s"
-export PYTHONPATH="$work/build"
+if [ -d "$build/cudelta" ]; then
+  echo "build reused from $build"
+else
+  CUDELTA_CUDA_ARCHS=${ARCH:-9.0a} FORCE_BUILD=1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps --no-index \
+    -q --target "$build" . > "$work/build.log" 2>&1 || { tail -20 "$work/build.log"; exit 1; }
+  echo "build $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH="$build"
 status=0
 if [ "${TESTS:-}" != none ]; then
   # shellcheck disable=SC2086  # TESTS is a list of paths and pytest options
