@@ -21,6 +21,10 @@ namespace {
 // head in registers and is left for requests with more than kStreamTokens checkpoint columns. For the
 // same reason a head may be split into row groups, a block each (gridDim.z), in small grids.
 constexpr int kStreamTokens = 8;
+// The long-pass build: 9-16 checkpoint columns in one pass (vLLM 0.34's MTP op takes 9 tokens a
+// request), at K = 128 in vLLM's layout only. Its staged tokens and outputs take 32 KB of static
+// shared memory (KDA's decays 8 KB more); at K = 256 they would take 64 KB, past the 48 KB allowed.
+constexpr int kStreamLongTokens = 16;
 // Rows a chunk: with 4 the per-chunk work that does not shrink with the rows doubled (H200, 16/32
 // heads: bf16 11-46% slower, fp32 -9% to +12%), and ptxas filled the 128 registers either way.
 constexpr int kStreamRows = 8;
@@ -135,11 +139,13 @@ __host__ __device__ constexpr bool late_epilogue_sums() {
 }
 
 // STAGE_FIRST: the first pass's staging loads go out before the state's copies, not after
-// (kStreamStageFirstBuild: which calls take this build).
-template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false>
+// (kStreamStageFirstBuild: which calls take this build). TS: the tokens a pass stages
+// (kStreamTokens, or kStreamLongTokens).
+template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens>
 __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
   using Sh = StreamShape<VK, K, ST>;
-  constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV, R = kStreamRows, TS = kStreamTokens;
+  constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV, R = kStreamRows;
+  static_assert(TS == kStreamTokens || (TS == kStreamLongTokens && K <= 128), "the long pass's staging fits 48 KB at K <= 128");
   static_assert(NV <= LPR && (NV & (NV - 1)) == 0, "one row a lane after the butterfly");
   // The staged tokens: k and q scaled (l2-normalised, q times the attention scale), the per-channel
   // decay (KDA), and per token beta, k.q and the head's decay (GDN); the epilogue's outputs and sums.
@@ -533,9 +539,9 @@ constexpr int kStreamStageFirstSmWarps = 32;
 template <bool VK, int K, typename ST>
 constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, float>;
 
-template <bool VK, int K, typename ST>
+template <bool VK, int K, typename ST, int TS = kStreamTokens>
 int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true> : decode_mtp_stream_kernel<VK, K, ST, false>;
+  auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true, false, TS> : decode_mtp_stream_kernel<VK, K, ST, false, false, TS>;
   const int64_t sms = rule_sms(p);
   const int head_chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;
   // Row groups (decode_mtp_stream_kernel): while a block a head fills at most kMtpGroupSmShare of
@@ -560,13 +566,13 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   const int wide = chunks < widest ? chunks : widest;
   auto ring_bytes = [&](int w) { return size_t(w) * stream_ring_depth(chunks, w, chunk_bytes) * chunk_bytes; };
   auto resident = [&](int w) {
-    if (allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring_bytes(w)) != 0 ||
-        allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring_bytes(w)) != 0) {
+    if (allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, false, TS>>(p.device, ring_bytes(w)) != 0 ||
+        allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true, false, TS>>(p.device, ring_bytes(w)) != 0) {
       (void)cudaGetLastError();
       return 0;
     }
-    return p.g_per_channel ? resident_blocks_of<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, w * 32, ring_bytes(w))
-                           : resident_blocks_of<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, w * 32, ring_bytes(w));
+    return p.g_per_channel ? resident_blocks_of<decode_mtp_stream_kernel<VK, K, ST, true, false, TS>>(p.device, w * 32, ring_bytes(w))
+                           : resident_blocks_of<decode_mtp_stream_kernel<VK, K, ST, false, false, TS>>(p.device, w * 32, ring_bytes(w));
   };
   int warps = wide;
   if (grid_warps > 16 * sms) {
@@ -577,15 +583,15 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   const size_t ring = ring_bytes(warps);
   const dim3 grid = request_head_grid(p, static_cast<unsigned>(groups)), block(static_cast<unsigned>(warps) * 32);
   const dim3 cluster(1, 1, epilogue ? static_cast<unsigned>(groups) : 1u);
-  if constexpr (kStreamStageFirstBuild<VK, K, ST>) {
+  if constexpr (kStreamStageFirstBuild<VK, K, ST> && TS == kStreamTokens) {
     if (!p.g_per_channel && groups == 1 && grid_warps <= kStreamStageFirstSmWarps * sms) {
       auto first = decode_mtp_stream_kernel<VK, K, ST, false, true>;
       if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, true>>(p.device, ring)) return err;
       return launch_decode(first, grid, block, p, stream, ring, cluster);
     }
   }
-  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false>>(p.device, ring)) return err;
-  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true>>(p.device, ring)) return err;
+  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, false, TS>>(p.device, ring)) return err;
+  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, true, false, TS>>(p.device, ring)) return err;
   return launch_decode(kernel, grid, block, p, stream, ring, cluster);
 }
 

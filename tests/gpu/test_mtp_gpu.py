@@ -37,11 +37,14 @@ grids (5), its staging-first build (8), the few-token kernel in each range of it
 and in clusters of 4 and 2 blocks a head (5), the epilogue against the reference's epilogue of the
 unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
 (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU tensors
-(6, one with nine tokens a request), torch.compile(fullgraph=True) and CUDA-graph capture and replay
-with new inputs. 139 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
+(6, one with nine tokens a request), 9-16 checkpoint columns on the streaming kernel's long-pass
+build and 17 on the resident kernel (11), which build the columns pick (4, from the kernel names the
+profiler records), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
+154 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
 the float64 loop) is most of the rest, a few seconds for the largest engine batch.
 """
 
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -185,6 +188,55 @@ def test_the_staging_first_build_computes_the_same_step(share, case):
     assert sms / 2 < n * pairs <= 2 * sms  # inside the build's range of the launch rule
     assert (n * pairs <= sms) == (share < 1)  # a warp a chunk, or 8-warp blocks past the SMs
     mc.run_and_check(replace(case, N=n), DEVICE)
+
+
+# The streaming kernel's long-pass build (kernels/mtp_stream.cuh, kStreamLongTokens): idx [N, C] with
+# 9-16 columns (vLLM 0.34's call takes 9) in layout vk at K = 128, all tokens staged in one pass.
+# Its options: both states, KDA's per-channel decay, checkpoints without num_accepted_tokens, C = T +
+# 1, fp32 io; row groups in a cluster (one value head, N from the SM count) and 4- or 8-warp blocks
+# past 16 warps an SM (Qwen3-Next's heads, 8 requests); and what stays on the resident kernel: 17
+# columns, and layout kv.
+LONG_PASS = [(None, mc.Case(tokens="varlen9", state="fp32", seed=800)),
+             (None, mc.Case(tokens="varlen9", kind="kda", gates="pre", epilogue="sigmoid", seed=801)),
+             (None, mc.Case(tokens="T9", slots="ckpt", epilogue="none", state="fp32", kind="kda", seed=802)),
+             (None, mc.Case(tokens="T16", seed=803)),
+             (None, mc.Case(tokens="T12", columns="T+1", io="fp32", rule="negative", seed=804)),
+             ("groups", mc.Case(H=1, group=1, tokens="T9", seed=805)),
+             ("groups", mc.Case(H=1, group=1, tokens="T9", state="fp32", epilogue="none", seed=806)),
+             (8, mc.Case(H=16, tokens="T9", seed=807)),
+             (8, mc.Case(H=16, tokens="varlen9", state="fp32", seed=808)),
+             (None, mc.Case(tokens="T17", slots="ckpt", seed=809)),
+             (None, mc.Case(tokens="T9", layout="kv", state="fp32", seed=810))]
+
+
+@pytest.mark.parametrize("n, case", LONG_PASS, ids=lambda x: x.id if isinstance(x, mc.Case) else {None: "N6", "groups": "row-groups"}.get(x, f"N{x}"))
+def test_nine_to_sixteen_columns_compute_the_same_step(n, case):
+    if n == "groups":
+        n = max(6, torch.cuda.get_device_properties(0).multi_processor_count // 16)
+    mc.run_and_check(case if n is None else replace(case, N=n), DEVICE)
+
+
+def _kernels_launched(case) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    step = mc.build(case, DEVICE)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mc.call(case, step)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA" and "decode" in e.name]
+
+
+# Which build the columns pick (kernels/mtp.cuh), from the kernel's name as the profiler records it:
+# the tokens a pass stages (the streaming kernel's last template argument), or the resident kernel.
+@pytest.mark.parametrize("tokens, staged", [("T8", 8), ("T9", 16), ("T16", 16), ("T17", None)])
+def test_the_checkpoint_columns_pick_the_build(tokens, staged):
+    names = _kernels_launched(mc.Case(H=16, N=32, tokens=tokens, slots="ckpt", seed=811))
+    assert len(names) == 1, names
+    if staged is None:
+        assert "decode_mtp_kernel<" in names[0], names
+    else:
+        assert re.search(rf"decode_mtp_stream_kernel<.*,\s*{staged}>", names[0]), names
 
 
 # The few-token kernel (kernels/mtp_few.cuh): GDN, layout vk, K = 128. vLLM's call with one draft
