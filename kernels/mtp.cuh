@@ -32,26 +32,26 @@ int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
     if (one_token_call(p)) return launch_vk_one<ST>(p, stream);
     if (few_token_call<ST>(p)) return launch_vk_few<ST>(p, stream);
   }
-  // More checkpoint columns than a pass stages: only the resident kernel carries the state across
-  // (a checkpoint slot may be invalid, so the streaming kernel cannot carry it through one). So too
-  // for a bf16 state with idx [N] where a request may have more tokens than a pass: the streaming
-  // kernel would carry it from pass to pass through the slot, rounded to bf16 mid-request
-  // (cu_seqlens is not read on the host: any request may then hold all L rows).
-  const bool long_requests = p.idx_columns == 0 && (p.cu_seqlens != nullptr ? p.L : p.tokens) > kStreamTokens;
   // About one token a request (rows <= requests: the epilogue alone, or vLLM's MTP call at T = 1) in
   // a grid of at most two heads per SM: the resident kernel has the shorter path there (no staging,
   // one barrier), and streaming gains nothing. Either kernel computes any call; this is speed only.
   const int64_t sms = rule_sms(p);
   const bool resident_first = (p.L <= p.N && p.N * p.HV <= 2 * sms) || p.V > kStreamMaxV<K>;
   if (p.idx_columns > kStreamTokens) {
-    // 9-16 columns (vLLM 0.34's nine-token call) in vLLM's layout: the long-pass build stages them all.
+    // More checkpoint columns than the 8-token pass stages. vLLM 0.34's nine-token call (9-16
+    // columns in its layout) takes the long-pass build, which stages them all; beyond that only the
+    // resident kernel carries the state across (a checkpoint slot may be invalid, so the streaming
+    // kernel cannot carry it through one).
     if constexpr (VK && K == 128) {
       if (p.idx_columns <= kStreamLongTokens && !resident_first) return launch_mtp_stream<VK, K, ST, kStreamLongTokens>(p, stream);
     }
     return launch_mtp_rows<VK, K, ST, 16>(p, stream);
   }
-  if (!std::is_same_v<ST, float> && long_requests) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
-  if (resident_first) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
+  // A bf16 state with idx [N] where a request may have more tokens than a pass: the streaming
+  // kernel would carry it from pass to pass through the slot, rounded to bf16 mid-request
+  // (cu_seqlens is not read on the host: any request may then hold all L rows).
+  const bool long_requests = p.idx_columns == 0 && (p.cu_seqlens != nullptr ? p.L : p.tokens) > kStreamTokens;
+  if (resident_first || (!std::is_same_v<ST, float> && long_requests)) return launch_mtp_rows<VK, K, ST, 16>(p, stream);
   return launch_mtp_stream<VK, K, ST>(p, stream);
 }
 
