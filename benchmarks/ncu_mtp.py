@@ -3,6 +3,7 @@
     python benchmarks/fetch_vllm_ops.py          # once, on a machine with PyPI: vLLM's op to .peers/
     python -P benchmarks/ncu_mtp.py [--cells bfloat16:512:2 ...] [--calls 3] [--out FILE]
     python -P benchmarks/ncu_mtp.py --source --calls 8 --cells bfloat16:4:2   # where the warps wait
+    python -P benchmarks/ncu_mtp.py --source --heads 4/8 --cells bfloat16:1:8    # another head shape
 
 Each cell (state dtype, B, T) is built as mtp_bench.py builds it (vLLM's GDN call: packed mixed_qkv,
 cu_seqlens, idx [B, T], num_accepted_tokens, the gated RMSNorm), and both implementations make
@@ -177,10 +178,10 @@ def cell_label(cell: tuple[str, int, int]) -> str:
 
 
 def workload_command(cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[str]:
-    """This script's --workload run of the cell: the process ncu profiles."""
+    """This script's --workload run of the cell, at this process's head shape: the process ncu profiles."""
     state, B, T = cell
     return [sys.executable, "-P", str(Path(__file__).resolve()), "--workload", f"{state}:{B}:{T}",
-            "--calls", str(calls), "--so", so, "--so-reason", reason]
+            "--calls", str(calls), "--heads", f"{mtp_bench.H}/{mtp_bench.HV}", "--so", so, "--so-reason", reason]
 
 
 def write_table(lines: list[str], out: Path | None) -> int:
@@ -254,6 +255,8 @@ def main() -> int:
     parser.add_argument("--cells", type=parse_cell, nargs="+", default=[parse_cell(c) for c in DEFAULT_CELLS],
                         metavar="STATE:B:T")
     parser.add_argument("--calls", type=int, default=3, help="calls of each implementation per cell")
+    parser.add_argument("--heads", type=mtp_bench.parse_heads, default=(mtp_bench.H, mtp_bench.HV), metavar="H/HV",
+                        help=f"q/k heads / v heads, default {mtp_bench.H}/{mtp_bench.HV} (as mtp_bench.py --heads)")
     parser.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     parser.add_argument("--out", type=Path, help="also write the table here")
     parser.add_argument("--source", action="store_true",
@@ -263,6 +266,7 @@ def main() -> int:
     parser.add_argument("--so", default="", help=argparse.SUPPRESS)
     parser.add_argument("--so-reason", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    mtp_bench.set_heads(*args.heads)
     if args.workload:
         workload(*args.workload, args.calls, args.so, args.so_reason)
         return 0
@@ -275,7 +279,7 @@ def main() -> int:
     head = ("| cell | impl | kernel grid x block | " + " | ".join(COLUMNS.values())
             + " | top stalls (cycles per issued instruction) |")
     lines = [f"ncu --clock-control none, caches flushed before each launch; medians of {args.calls} calls; "
-             f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", "", head,
+             f"H={mtp_bench.H}, HV={mtp_bench.HV}; {torch.cuda.get_device_name(0)}, torch {torch.__version__}", "", head,
              "|" + "---|" * (len(COLUMNS) + 4)]
     for cell in args.cells:
         lines += summarise(cell_label(cell), profile(args.ncu, cell, args.calls, so, reason))
@@ -286,7 +290,7 @@ def main() -> int:
 def main_source(args, so: str, reason: str, torch) -> int:
     lines = [f"ncu --clock-control none --cache-control none --replay-mode application, warp-stall sampling "
              f"every 32 cycles; the last {args.calls - args.calls // 2} of {args.calls} calls of each implementation, "
-             f"summed; {torch.cuda.get_device_name(0)}, torch {torch.__version__}", "",
+             f"summed; H={mtp_bench.H}, HV={mtp_bench.HV}; {torch.cuda.get_device_name(0)}, torch {torch.__version__}", "",
              "| cell | impl | kernel | warp instructions a launch (thousands) | top stalls (% of samples) | "
              "hottest instruction (% of samples) |", "|---|---|---|---|---|---|"]
     for cell in args.cells:
