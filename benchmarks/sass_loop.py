@@ -6,8 +6,11 @@ any machine: this finds each loop of a kernel (a backward branch and the instruc
 over) and counts its instructions by opcode. It reads cudelta's build and vLLM's library alike
 (`cuobjdump -sass`), so the two token loops can be put side by side:
 
-    python benchmarks/sass_loop.py build/mtp_bfloat16.cubin --kernel 'decode_mtp_stream_kernelILb1ELi128E13__nv_bfloat16Lb0ELb0ELi8E'
+    python benchmarks/sass_loop.py cudelta/_C.abi3.so --arch sm_90a --kernel 'decode_mtp_stream_kernelILb1ELi128E13__nv_bfloat16Lb0ELb0ELi8E'
     python benchmarks/sass_loop.py vllm/_C_stable_libtorch.abi3.so --arch sm_90a --kernel 'gdn_decode_post_conv_mtp_kernelI13__nv_bfloat16Li2ELb1ELi4E'
+
+(cudelta's: an installed or built extension, or one unit compiled to a cubin with the shipped flags.
+Dumping a whole library takes minutes: --arch keeps it to one architecture's code.)
 
 cuobjdump comes with the CUDA toolkit, or from PyPI (`pip install nvidia-cuda-cuobjdump`, which puts
 it under nvidia/cu13/bin); CUOBJDUMP names one explicitly. --sass reads text already dumped.
