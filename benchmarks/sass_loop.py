@@ -12,8 +12,8 @@ over) and counts its instructions by opcode. It reads cudelta's build and vLLM's
 (cudelta's: an installed or built extension, or one unit compiled to a cubin with the shipped flags.
 Dumping a whole library takes minutes: --arch keeps it to one architecture's code.)
 
-cuobjdump comes with the CUDA toolkit, or from PyPI (`pip install nvidia-cuda-cuobjdump`, which puts
-it under nvidia/cu13/bin); CUOBJDUMP names one explicitly. --sass reads text already dumped.
+cuobjdump: CUOBJDUMP names one, else release/check_wheel.py's search (the PyPI package
+`nvidia-cuda-cuobjdump`, PATH, the CUDA toolkit). --sass reads text already dumped.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import subprocess
 import sys
-import sysconfig
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from release.wheel_parsers import find_cuobjdump  # noqa: E402  (the one release/check_wheel.py uses)
 
 FUNCTION = re.compile(r"Function : (\S+)")
 # "/*5570*/   @!P0 BRA 0x6370 ;": address, optional predicate, opcode with modifiers, operands.
@@ -114,20 +115,12 @@ def table(name: str, chosen: list[Loop], limit: int) -> str:
     return "\n".join(rows)
 
 
-def find_cuobjdump() -> str:
-    if explicit := os.environ.get("CUOBJDUMP"):
-        return explicit
-    if found := shutil.which("cuobjdump"):
-        return found
-    wheel = Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "bin" / "cuobjdump"
-    if wheel.exists():
-        return str(wheel)
-    raise SystemExit("sass_loop: no cuobjdump on PATH; install the CUDA toolkit's, or "
-                     "`pip install nvidia-cuda-cuobjdump`, or name one with CUOBJDUMP=")
-
-
 def dump(binary: Path, arch: str | None) -> str:
-    command = [find_cuobjdump(), "-sass", *(["-arch", arch] if arch else []), str(binary)]
+    tool = find_cuobjdump(os.environ.get("CUOBJDUMP"))
+    if tool is None:
+        raise SystemExit("sass_loop: no cuobjdump: `pip install nvidia-cuda-cuobjdump`, put the CUDA toolkit's "
+                         "on PATH, or name one with CUOBJDUMP=")
+    command = [tool, "-sass", *(["-arch", arch] if arch else []), str(binary)]
     run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"sass_loop: {' '.join(command)} failed: {run.stderr.strip()}")
