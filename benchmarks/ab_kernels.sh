@@ -43,7 +43,7 @@ for name in "${names[@]}"; do bench "$name" 1; done
 if [ "${TESTS:-}" != none ]; then
   test_tree=${TEST_TREE:-${names[-1]}}
   # shellcheck disable=SC2086  # TESTS is a list of paths and pytest options
-  PYTHONPATH="$work/$test_tree" python3 -P -m pytest -m gpu ${TESTS:-tests/gpu/test_mtp_gpu.py tests/gpu/test_multi_token_gpu.py tests/gpu/test_strided_pool_gpu.py} \
+  PYTHONPATH="$work/$test_tree" python3 -P -m pytest -m gpu ${TESTS:-tests/gpu/test_mtp_gpu.py tests/gpu/test_multi_token_gpu.py tests/gpu/test_strided_pool_gpu.py tests/gpu/test_fp8_output_gpu.py} \
     -q -p no:cacheprovider > "$out/tests-$test_tree.txt" 2>&1
   echo "tests on $test_tree: rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$out/tests-$test_tree.txt")"
 fi

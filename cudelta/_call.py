@@ -53,6 +53,7 @@ class DecodeCall:
     norm_eps: Optional[float] = None
     gate_activation: Optional[str] = None
     gate_lower_bound: Optional[float] = None
+    output_scale: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -25,6 +25,8 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 GATE_ACTIVATIONS = ("silu", "sigmoid")
 DEFAULT_NORM_EPS = 1e-5  # vLLM's fused_gdn_decode_post_conv_mtp default
+FP8_DTYPE = torch.float8_e4m3fn  # the epilogue's quantized output (output_scale), vLLM's FP8 activations
+FP8_MAX = 448.0  # e4m3fn's largest finite value: quantized outputs are clamped to +-FP8_MAX
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,35 @@ def _check_epilogue(v, output_gate, norm_weight, norm_eps, gate_activation) -> N
         raise ValueError(f"gate_activation={gate_activation!r} is not accepted; expected one of {GATE_ACTIVATIONS}")
 
 
+def _check_output_scale(v, output_gate, output_scale) -> None:
+    if output_scale is None:
+        return
+    if output_gate is None:
+        raise ValueError("output_scale quantizes the gated RMSNorm epilogue's output to FP8: pass output_gate and "
+                         "norm_weight too")
+    if not isinstance(output_scale, torch.Tensor) or output_scale.dtype != torch.float32 or output_scale.numel() != 1:
+        got = (f"{output_scale.dtype} {tuple(output_scale.shape)}" if isinstance(output_scale, torch.Tensor)
+               else repr(output_scale))
+        raise ValueError("output_scale must be a float32 tensor of one element (a static per-tensor FP8 scale, "
+                         f"as vLLM's); got {got}")
+    if output_scale.device != v.device:
+        raise ValueError(f"output_scale must be on v's device ({v.device}); got {output_scale.device}")
+
+
+def _check_out(v, out, output_scale) -> None:
+    if out is None:
+        return
+    want = v.dtype if output_scale is None else FP8_DTYPE
+    if tuple(out.shape) != tuple(v.shape) or out.dtype != want:
+        why = " (output_scale is given: the output is FP8)" if output_scale is not None else (
+            " (an FP8 out needs output_scale)" if out.dtype == FP8_DTYPE else "")
+        raise ValueError(f"out must be a {want} tensor of shape {_dims(v.shape)}{why}; got {out.dtype} "
+                         f"{tuple(out.shape)}")
+
+
 def check_call(q, k, v, state, idx, layout, out, cu_seqlens=None, num_accepted_tokens=None, output_gate=None,
-               norm_weight=None, norm_eps=None, gate_activation=None, overlap: bool = True) -> Shape:
+               norm_weight=None, norm_eps=None, gate_activation=None, overlap: bool = True,
+               output_scale=None) -> Shape:
     """Every check that reads no tensor's values; returns the call's sizes. overlap=False leaves
     check_no_overlap to the op (the kernel path before it launches: the op compares the addresses
     itself, in C++, where a Python comparison would add about 40 us to an eager call)."""
@@ -253,13 +282,12 @@ def check_call(q, k, v, state, idx, layout, out, cu_seqlens=None, num_accepted_t
     check_pool(state, layout)
     columns = _check_slots(idx, num_accepted_tokens, lead, N)
     _check_epilogue(v, output_gate, norm_weight, norm_eps, gate_activation)
-    if out is not None and (tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype):
-        raise ValueError(f"out must be a {v.dtype} tensor of shape {_dims(v.shape)}; got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    _check_output_scale(v, output_gate, output_scale)
+    _check_out(v, out, output_scale)
     if overlap:
         check_no_overlap(state, out, {"q": q, "k": k, "v": v, "idx": idx, "cu_seqlens": cu_seqlens,
                                       "num_accepted_tokens": num_accepted_tokens, "output_gate": output_gate,
-                                      "norm_weight": norm_weight})
+                                      "norm_weight": norm_weight, "output_scale": output_scale})
     return Shape(lead=lead, N=N, L=L, H=H, K=K, HV=HV, V=V, columns=columns)
 
 
@@ -268,7 +296,7 @@ def check_decode_call(call: DecodeCall, overlap: bool = True) -> Shape:
     (overlap: as check_call's, over every tensor of the call, the gates too)."""
     shape = check_call(call.q, call.k, call.v, call.state, call.idx, call.layout, call.out, call.cu_seqlens,
                        call.num_accepted_tokens, call.output_gate, call.norm_weight, call.norm_eps,
-                       call.gate_activation, overlap=False)
+                       call.gate_activation, overlap=False, output_scale=call.output_scale)
     if overlap:
         check_call_overlap(call)
     return shape
@@ -280,7 +308,7 @@ def check_call_overlap(call: DecodeCall) -> None:
         "q": call.q, "k": call.k, "v": call.v, "idx": call.idx, "cu_seqlens": call.cu_seqlens,
         "num_accepted_tokens": call.num_accepted_tokens, "output_gate": call.output_gate,
         "norm_weight": call.norm_weight, "g": call.g, "beta": call.beta, "a": call.a, "b": call.b,
-        "A_log": call.A_log, "dt_bias": call.dt_bias})
+        "A_log": call.A_log, "dt_bias": call.dt_bias, "output_scale": call.output_scale})
 
 
 def check_token_values(shape: Shape, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:

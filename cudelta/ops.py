@@ -17,7 +17,7 @@ from . import _native
 from ._call import DecodeCall
 from ._contract import (DEFAULT_NORM_EPS, INVALID_SLOT_RULES, LAYOUTS, check_call_overlap, check_decode_call,
                         check_gates, check_kernel_pool, min_valid_slot)
-from .reference import decode_reference
+from .reference import decode_reference, static_fp8
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -72,6 +72,20 @@ def _decode(call: DecodeCall, early_state: bool = False) -> torch.Tensor:
         _native.notice_once(f"dtype:{q.dtype}", f"q dtype {q.dtype} is not supported by the CUDA kernel; "
                             "using the reference")
         return decode_reference(call)
+    if call.output_scale is not None:
+        # Not fused yet: the kernels write the epilogue's output in v's dtype, and the reference's own
+        # rounding (static_fp8) follows as torch ops, so both paths round alike. The op never sees the
+        # FP8 out, so every argument is checked here.
+        _check(call)
+        o = _run(call, st, torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device), early_state)
+        quantized = static_fp8(o, call.output_scale)
+        return quantized if call.out is None else call.out.copy_(quantized)
+    out = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device) if call.out is None else call.out
+    return _run(call, st, out, early_state)
+
+
+def _run(call: DecodeCall, st: _native.NativeStatus, out: torch.Tensor, early_state: bool) -> torch.Tensor:
+    """The kernels on a call of native dtypes, writing out (v's shape and dtype)."""
     compiling = torch.compiler.is_compiling()
     # Several tokens a request: the Python checks name a wrong shape before the rows of tokens are
     # formed from it (one token a request: the op checks, and the checks run on its refusal below).
@@ -79,7 +93,6 @@ def _decode(call: DecodeCall, early_state: bool = False) -> torch.Tensor:
     # with a read one, and the except below names it.
     if call.multi_token or call.layout not in LAYOUTS or call.invalid_slot not in INVALID_SLOT_RULES or compiling:
         _check(call, overlap=False)  # traced once under torch.compile: free at run time
-    out = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device) if call.out is None else call.out
     if call.q.dim() == 4 and not _viewable(out):
         # The op writes a scratch buffer here: out's own addresses are compared before it is copied.
         if not compiling:
@@ -131,6 +144,7 @@ def gdn_decode(
     norm_weight: Optional[torch.Tensor] = None,
     norm_eps: Optional[float] = None,
     gate_activation: Optional[str] = None,
+    output_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Gated DeltaNet decode: each request's tokens in order, the pool updated in place; returns o
     of v's shape and dtype.
@@ -159,7 +173,11 @@ def gdn_decode(
     Epilogue (vLLM's gated RMSNorm): with output_gate z (v's shape) and norm_weight w [V], each
     head's output o, rounded to its dtype, becomes o * rsqrt(mean(o^2) + norm_eps) * w * act(z),
     rounded again; act = gate_activation ("silu", the default, or "sigmoid"); norm_eps 1e-5 unless
-    given.
+    given. With output_scale, a float32 tensor of one element (vLLM's static per-tensor scale of an
+    FP8 out_proj), o is returned as float8_e4m3fn: the epilogue's output, rounded to v's dtype, times
+    1 / scale, clamped to +-448, rounded to e4m3 (vLLM's Qwen3.5 gated-norm kernel's order); out, if
+    given, is then float8_e4m3fn. On CUDA tensors that rounding runs as torch ops after the kernel
+    (not fused into it yet).
 
     Every option runs on CPU tensors (the reference) and CUDA tensors (the kernels). On CUDA tensors a
     padded pool's slots must lie a multiple of 16 bytes apart and start on 16 bytes (vLLM's pages do),
@@ -168,7 +186,7 @@ def gdn_decode(
     """
     return _decode(DecodeCall("gdn", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm,
                               layout, invalid_slot, out, cu_seqlens, num_accepted_tokens, output_gate, norm_weight,
-                              norm_eps, gate_activation))
+                              norm_eps, gate_activation, output_scale=output_scale))
 
 
 def kda_decode(
@@ -196,6 +214,7 @@ def kda_decode(
     norm_eps: Optional[float] = None,
     gate_activation: Optional[str] = None,
     gate_lower_bound: Optional[float] = None,
+    output_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Kimi Delta Attention decode: as gdn_decode, with a per-channel log-decay g [..., HV, K], or raw
     a [..., HV, K] with A_log [HV] and dt_bias [HV, K]: -exp(A_log) * softplus(a + dt_bias), or, with
@@ -203,4 +222,4 @@ def kda_decode(
     bounded "safe gate", cudelta.kda_gate)."""
     return _decode(DecodeCall("kda", q, k, v, g, beta, state, idx, a, b, A_log, dt_bias, scale, use_qk_l2norm,
                               layout, invalid_slot, out, cu_seqlens, num_accepted_tokens, output_gate, norm_weight,
-                              norm_eps, gate_activation, gate_lower_bound))
+                              norm_eps, gate_activation, gate_lower_bound, output_scale))

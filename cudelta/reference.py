@@ -4,7 +4,7 @@ Runs anywhere torch runs: it is what CPU tensors and pure-Python wheels use, and
 kernels are tested against. It takes every option of the contract (both state layouts, fp32 or
 bf16 state, raw or precomputed gates, both invalid-slot rules, an `out=` buffer; several tokens per
 request with a state checkpoint per token and a starting slot chosen by the accepted tokens; the
-gated RMSNorm epilogue; vLLM's padded pool) and checks its arguments with cudelta._contract, as
+gated RMSNorm epilogue and its FP8 output; vLLM's padded pool) and checks its arguments with cudelta._contract, as
 the kernel path does, so one call behaves alike on either path. Math in fp32, the state carried in
 fp32 from token to token; the pool is written at valid slots only, so every other byte of it (slots
 not named, an engine's padding between slots) stays bit-identical.
@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from ._call import DecodeCall
 from ._contract import (  # noqa: F401  (the names this module exported before _contract held them)
     DEFAULT_NORM_EPS,
+    FP8_DTYPE,
+    FP8_MAX,
     HEAD_DIMS,
     INVALID_SLOT_RULES,
     LAYOUTS,
@@ -74,6 +76,14 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return y.to(o.dtype)
 
 
+def static_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's static per-tensor FP8 quantization of an output already rounded to its dtype (its Qwen3.5
+    gated-norm kernel's order, as scaled_fp8_quant's): y times 1 / scale (rounded to nearest, fp32),
+    clamped to +-448, rounded to the nearest e4m3 value."""
+    inverse = torch.reciprocal(scale.float().reshape(()))
+    return (y.float() * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def _starting_slots(idx: torch.Tensor, accepted: Optional[torch.Tensor], columns: int) -> torch.Tensor:
     """Slot of each request's starting state [N] (int64, -1 where no column holds it): idx[n], or
     idx[n, acc[n] - 1] with idx [N, C] (acc 1 without num_accepted_tokens)."""
@@ -105,18 +115,20 @@ def delta_rule_decode_reference(
     norm_weight: Optional[torch.Tensor] = None,
     norm_eps: Optional[float] = None,
     gate_activation: Optional[str] = None,
+    output_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The step for every request's tokens, in order. log_decay is lead + [HV] (GDN) or lead + [HV, K]
     (KDA), beta lead + [HV] in (0, 1), where lead is q's leading shape: [N], [N, T] or, with
     cu_seqlens, [tokens].
 
-    Returns o of v's shape and dtype (written into `out` when given). A request whose starting slot
+    Returns o of v's shape and dtype (written into `out` when given); float8_e4m3fn with output_scale
+    (static_fp8 of the epilogue's output). A request whose starting slot
     is invalid (negative, or also 0 with invalid_slot="nonpositive", or >= P, or no column of idx
     for its accepted tokens) gets zero outputs and writes nothing; so do tokens outside every
     request (after cu_seqlens[N]).
     """
     shape = check_call(q, k, v, state, idx, layout, out, cu_seqlens, num_accepted_tokens, output_gate, norm_weight,
-                       norm_eps, gate_activation)
+                       norm_eps, gate_activation, output_scale=output_scale)
     cu = check_token_values(shape, cu_seqlens)
     lowest = min_valid_slot(invalid_slot)
     scale = shape.K ** -0.5 if scale is None else scale
@@ -126,6 +138,8 @@ def delta_rule_decode_reference(
         eps = DEFAULT_NORM_EPS if norm_eps is None else float(norm_eps)
         o = gated_rms_norm(o, output_gate.reshape(o.shape), norm_weight, eps, gate_activation or "silu")
         o = torch.where(computed[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    if output_scale is not None:
+        o = static_fp8(o, output_scale)
     o = o.reshape(v.shape)
     if out is None:
         return o
@@ -200,7 +214,8 @@ def decode_reference(call: DecodeCall) -> torch.Tensor:
         call.q, call.k, call.v, log_decay, beta, call.state, call.idx, scale=call.scale,
         use_qk_l2norm=call.use_qk_l2norm, layout=call.layout, invalid_slot=call.invalid_slot, out=call.out,
         cu_seqlens=call.cu_seqlens, num_accepted_tokens=call.num_accepted_tokens, output_gate=call.output_gate,
-        norm_weight=call.norm_weight, norm_eps=call.norm_eps, gate_activation=call.gate_activation)
+        norm_weight=call.norm_weight, norm_eps=call.norm_eps, gate_activation=call.gate_activation,
+        output_scale=call.output_scale)
 
 
 def _entry(kind: str, doc: str):

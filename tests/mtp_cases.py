@@ -37,7 +37,7 @@ from step_tolerance import (  # noqa: E402
 )
 
 import cudelta  # noqa: E402
-from cudelta.reference import gated_rms_norm  # noqa: E402
+from cudelta.reference import gated_rms_norm, static_fp8  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
@@ -590,3 +590,41 @@ ENGINE = [
 VLLM_CALLS = [Case(tokens=tokens, state=state, seed=400 + i) for i, (tokens, state) in enumerate(
     [("single", "bf16"), ("T2", "fp32"), ("T4", "bf16"), ("T8", "fp32"), ("varlen", "bf16"), ("varlen", "fp32"),
      ("varlen9", "bf16")])]
+
+# The epilogue's FP8 output (output_scale): the kernels that write the epilogue, one token at a small
+# grid (the one-warp grid's clusters) and a large one (the block kernel), vLLM's MTP call (flat
+# tokens, checkpoints, accepted tokens, its pages), the few-token and resident kernels' forms, the kv
+# layout, KDA, fp32 state, fp16 io and K = V = 64.
+FP8_OUTPUT = [
+    Case(tokens="single", slots="final", pool="contiguous", N=1, H=16, seed=900),
+    Case(tokens="single", slots="final", pool="contiguous", N=64, H=16, state="fp32", seed=901),
+    Case(seed=902),
+    Case(tokens="varlen2", epilogue="sigmoid", seed=903),
+    Case(tokens="T4", slots="ckpt", layout="kv", state="fp32", pool="contiguous", seed=904),
+    Case(kind="kda", tokens="T3", io="fp16", seed=905),
+    Case(K=64, V=64, seed=906),
+]
+
+
+def fp8_call(case: Case, t: dict, state: torch.Tensor, scale: torch.Tensor, out: Optional[torch.Tensor]):
+    """The case's public call with the FP8 output (output_scale), writing out= when given."""
+    args, kw = call_args(case, t, out)
+    fn = cudelta.kda_decode if case.kind == "kda" else cudelta.gdn_decode
+    return fn(*args, state, t["idx"], output_scale=scale, **kw)
+
+
+def check_fp8_output(case: Case, device) -> None:
+    """The case run twice from the same inputs and pool, without and with output_scale: the unscaled
+    call checked against the float64 loop (check), the FP8 output written into out= and, byte for
+    byte, static_fp8 of the unscaled output, the pool's whole allocation written alike."""
+    plain, fp8 = build(case, device), build(case, device)
+    before = snapshot(plain)
+    o = call(case, plain)
+    scale = torch.tensor([0.02], device=device)
+    out = torch.full(o.shape, float("nan"), device=device).to(torch.float8_e4m3fn)
+    q8 = fp8_call(case, fp8.t, fp8.state, scale, out)
+    check(case, plain, before, o)
+    assert q8 is out and q8.dtype == torch.float8_e4m3fn
+    assert torch.equal(q8.view(torch.uint8), static_fp8(o, scale).view(torch.uint8))
+    assert torch.equal(fp8.storage, plain.storage)
+    assert q8.float().abs().max() > 0  # not a call whose rows were all skipped

@@ -1,0 +1,71 @@
+"""On a real GPU (marker `gpu`): the epilogue's FP8 output (output_scale, vLLM's Qwen3.5 static-FP8
+out_proj input) on CUDA tensors. Each call runs twice from the same inputs and pool, with and without
+the scale: the FP8 output must be, byte for byte, cudelta.reference.static_fp8 of the unscaled
+output (which mtp_cases checks against the float64 loop), and the pool's whole allocation must be
+written alike. Then the same under torch.compile(fullgraph=True) and in a CUDA graph whose scale
+changes between replays (a static scale is a tensor, read on the device)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_gdn_decode_gpu import native_loaded  # noqa: E402, F401  (autouse, per module)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/mtp_cases.py
+import mtp_cases as mc  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+DEVICE = "cuda"
+
+
+@pytest.mark.parametrize("case", mc.FP8_OUTPUT, ids=mc.case_id)
+def test_the_fp8_output_is_the_checked_output_rounded_as_the_reference_rounds(case):
+    mc.check_fp8_output(case, DEVICE)
+
+
+def test_compile_fullgraph_with_the_fp8_output_equals_eager():
+    case = mc.Case(seed=910)
+    eager, compiled = mc.build(case, DEVICE), mc.build(case, DEVICE)
+    scale = torch.tensor([0.05], device=DEVICE)
+    out = torch.empty(eager.t["v"].shape, device=DEVICE).to(torch.float8_e4m3fn)
+
+    def step(t, state, scale):
+        return mc.fp8_call(case, t, state, scale, None)
+
+    got = torch.compile(step, fullgraph=True)(compiled.t, compiled.state, scale)
+    expected = mc.fp8_call(case, eager.t, eager.state, scale, out)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(compiled.storage, eager.storage)
+
+
+def test_a_cuda_graph_reads_the_scale_at_each_replay():
+    case = mc.Case(seed=920)
+    static = mc.build(case, DEVICE)
+    scale = torch.tensor([0.05], device=DEVICE)
+    out = torch.empty(static.t["v"].shape, device=DEVICE).to(torch.float8_e4m3fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, on a pool of its own
+        warm = mc.build(case, DEVICE)
+        mc.fp8_call(case, warm.t, warm.state, scale, torch.empty_like(out))
+    torch.cuda.current_stream().wait_stream(side)
+    start = static.storage.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mc.fp8_call(case, static.t, static.state, scale, out)
+    for value in (0.05, 0.5):
+        static.storage.copy_(start)
+        scale.fill_(value)
+        graph.replay()
+        eager = mc.build(case, DEVICE)
+        expected = mc.fp8_call(case, eager.t, eager.state, torch.tensor([value], device=DEVICE), None)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), value
+        assert torch.equal(static.storage, eager.storage)
