@@ -79,9 +79,12 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 def static_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """vLLM's static per-tensor FP8 quantization of an output already rounded to its dtype (its Qwen3.5
     gated-norm kernel's order, as scaled_fp8_quant's): y times 1 / scale (rounded to nearest, fp32),
-    clamped to +-448, rounded to the nearest e4m3 value."""
-    inverse = torch.reciprocal(scale.float().reshape(()))
-    return (y.float() * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    clamped to +-448, rounded to the nearest e4m3 value. A zero stays a zero of its sign, so that the
+    outputs of skipped requests are zero bytes under any scale (vLLM's kernel makes a zero NaN under
+    a scale of 0 or NaN, where 1 / scale is infinite or NaN: no scale an engine passes)."""
+    x = y.float()
+    x = torch.where(x == 0, x, x * torch.reciprocal(scale.float().reshape(())))
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def _starting_slots(idx: torch.Tensor, accepted: Optional[torch.Tensor], columns: int) -> torch.Tensor:

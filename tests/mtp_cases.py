@@ -628,3 +628,19 @@ def check_fp8_output(case: Case, device) -> None:
     assert torch.equal(q8.view(torch.uint8), static_fp8(o, scale).view(torch.uint8))
     assert torch.equal(fp8.storage, plain.storage)
     assert q8.float().abs().max() > 0  # not a call whose rows were all skipped
+
+
+# 1 / scale in the kernels against torch's reciprocal: scales across the float range, subnormal and
+# near its top, ordinary ones, 0 and infinity.
+FP8_SCALES = [2.0 ** -149, 1e-40, 2.0 ** -126, 1e-3, 0.02, 1 / 3, 1.0, 7.0, 2.0 ** 125, 2.0 ** 126, 3e38, 0.0,
+              float("inf")]
+
+
+def check_fp8_scale(scale: float, device) -> None:
+    """vLLM's call with the FP8 output at `scale`: byte for byte static_fp8 of the unscaled call."""
+    case = Case(seed=940)
+    plain, fp8 = build(case, device), build(case, device)
+    o = call(case, plain)
+    s = torch.tensor([scale], device=device)
+    q8 = fp8_call(case, fp8.t, fp8.state, s, None)
+    assert torch.equal(q8.view(torch.uint8), static_fp8(o, s).view(torch.uint8))

@@ -1,9 +1,10 @@
 """On a real GPU (marker `gpu`): the epilogue's FP8 output (output_scale, vLLM's Qwen3.5 static-FP8
-out_proj input) on CUDA tensors. Each call runs twice from the same inputs and pool, with and without
-the scale: the FP8 output must be, byte for byte, cudelta.reference.static_fp8 of the unscaled
-output (which mtp_cases checks against the float64 loop), and the pool's whole allocation must be
-written alike. Then the same under torch.compile(fullgraph=True) and in a CUDA graph whose scale
-changes between replays (a static scale is a tensor, read on the device)."""
+out_proj input) on CUDA tensors, where cudelta.ops rounds the kernels' output with the reference's
+static_fp8 (not fused yet). Each call runs twice from the same inputs and pool, with and without the
+scale: the FP8 output must be, byte for byte, static_fp8 of the unscaled output (which mtp_cases
+checks against the float64 loop), and the pool's whole allocation must be written alike; also at
+scales across the float range. Then the same under torch.compile(fullgraph=True) and in a CUDA
+graph whose scale changes between replays (a static scale is a tensor, read on the device)."""
 
 import sys
 from pathlib import Path
@@ -27,6 +28,11 @@ DEVICE = "cuda"
 @pytest.mark.parametrize("case", mc.FP8_OUTPUT, ids=mc.case_id)
 def test_the_fp8_output_is_the_checked_output_rounded_as_the_reference_rounds(case):
     mc.check_fp8_output(case, DEVICE)
+
+
+@pytest.mark.parametrize("scale", mc.FP8_SCALES, ids=[repr(s) for s in mc.FP8_SCALES])
+def test_every_scale_rounds_as_the_reference_rounds(scale):
+    mc.check_fp8_scale(scale, DEVICE)
 
 
 def test_compile_fullgraph_with_the_fp8_output_equals_eager():

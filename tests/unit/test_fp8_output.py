@@ -104,6 +104,19 @@ def test_the_gpu_suite_s_fp8_cases_pass_on_cpu_tensors(case):
     mc.check_fp8_output(case, "cpu")
 
 
+@pytest.mark.parametrize("scale", mc.FP8_SCALES, ids=[repr(s) for s in mc.FP8_SCALES])
+def test_the_gpu_suite_s_scales_pass_on_cpu_tensors(scale):
+    mc.check_fp8_scale(scale, "cpu")
+
+
+def test_a_scale_of_zero_saturates_the_outputs_and_skipped_rows_stay_zero_bytes():
+    t = token_inputs(LENS, dtype=torch.bfloat16, seed=44)
+    q8 = call(gdn_decode_reference, t, random_pool(P, 4, 64, 64), output_scale=torch.tensor([0.0]))
+    cu = t["cu_seqlens"]
+    assert torch.all(q8[:cu[3]].double().abs() == 448.0)
+    assert not q8[cu[3]:cu[4]].view(torch.uint8).any()
+
+
 # (what is wrong, options beyond the epilogue's output_gate and norm_weight, the message)
 BAD = [
     ("a scale without the epilogue", dict(output_scale="torch.tensor([1.0])", output_gate=None, norm_weight=None),
