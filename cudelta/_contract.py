@@ -1,6 +1,6 @@
 """What one decode call may be given (ARCHITECTURE.md, "The decode step"), checked without computing
-anything: the token forms, the slots, the gates, the epilogue, the pool rule, and that what a call
-writes (out, the pool's slots) shares no memory with what it reads.
+anything: the token forms, the slots, the gates, the epilogue and its FP8 output, the pool rule, and
+that what a call writes (out, the pool's slots) shares no memory with what it reads.
 
 The reference checks every call with `check_call` and `check_token_values`; the kernel path
 (cudelta.ops) with `check_call` only, which reads no tensor's values and so never synchronises a

@@ -4,7 +4,8 @@ Both paths take one call value (cudelta._call.DecodeCall) and check arguments al
 (cudelta._contract.check_call and check_gates), so a call that is wrong fails the same way on a CPU
 and on a GPU. Every option runs in the kernels on CUDA tensors: several tokens per request with a
 checkpoint per token, the gated RMSNorm epilogue, vLLM's padded pool (whose 16-byte state accesses
-add one rule on CUDA, check_kernel_pool).
+add one rule on CUDA, check_kernel_pool). The epilogue's FP8 output (output_scale) is rounded after
+the kernels, as torch ops: not fused yet.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Runs anywhere torch runs: it is what CPU tensors and pure-Python wheels use, and
 kernels are tested against. It takes every option of the contract (both state layouts, fp32 or
 bf16 state, raw or precomputed gates, both invalid-slot rules, an `out=` buffer; several tokens per
 request with a state checkpoint per token and a starting slot chosen by the accepted tokens; the
-gated RMSNorm epilogue and its FP8 output; vLLM's padded pool) and checks its arguments with cudelta._contract, as
-the kernel path does, so one call behaves alike on either path. Math in fp32, the state carried in
+gated RMSNorm epilogue and its FP8 output; vLLM's padded pool) and checks its arguments with
+cudelta._contract, as the kernel path does, so one call behaves alike on either path. Math in fp32, the state carried in
 fp32 from token to token; the pool is written at valid slots only, so every other byte of it (slots
 not named, an engine's padding between slots) stays bit-identical.
 """
@@ -124,11 +124,11 @@ def delta_rule_decode_reference(
     (KDA), beta lead + [HV] in (0, 1), where lead is q's leading shape: [N], [N, T] or, with
     cu_seqlens, [tokens].
 
-    Returns o of v's shape and dtype (written into `out` when given); float8_e4m3fn with output_scale
-    (static_fp8 of the epilogue's output). A request whose starting slot
-    is invalid (negative, or also 0 with invalid_slot="nonpositive", or >= P, or no column of idx
-    for its accepted tokens) gets zero outputs and writes nothing; so do tokens outside every
-    request (after cu_seqlens[N]).
+    Returns o of v's shape and dtype (written into `out` when given), or with output_scale
+    float8_e4m3fn (static_fp8 of the epilogue's output). A request whose starting slot is invalid
+    (negative, or also 0 with invalid_slot="nonpositive", or >= P, or no column of idx for its
+    accepted tokens) gets zero outputs and writes nothing; so do tokens outside every request (after
+    cu_seqlens[N]).
     """
     shape = check_call(q, k, v, state, idx, layout, out, cu_seqlens, num_accepted_tokens, output_gate, norm_weight,
                        norm_eps, gate_activation, output_scale=output_scale)
