@@ -12,7 +12,10 @@ benchmarks' tables quote:
   ops/fused_gdn_decode_post_conv_mtp.py; the KDA packed decode vLLM runs for Kimi models:
   kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py; the causal-conv1d update vLLM's GDN
   layer runs before the step, model_executor/layers/mamba/ops/causal_conv1d.py, for
-  benchmarks/conv_share.py), with small stand-ins for the vLLM modules they import
+  benchmarks/conv_share.py; the gated RMSNorm with its static-FP8 output that vLLM's Qwen3.5
+  NVIDIA layers run after the T=1 decode, models/qwen3_5/nvidia/ops/fused_gdn_gated_norm.py, for
+  benchmarks/fp8_t1_bench.py, with the one function it takes from ops/layernorm_guard.py cut out of
+  that module, whose other imports reach far into vLLM), with small stand-ins for the vLLM modules they import
   (vllm.triton_utils, vllm.platforms, vllm.utils.math_utils, vllm.utils.platform_utils,
   vllm.v1.attention.backends.utils). The names those modules import and the current_platform
   methods they call are checked against the stand-ins here, so that a vLLM needing more fails
@@ -44,8 +47,16 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = "vllm/third_party/flash_linear_attention/ops/"
 KDA = "vllm/models/kimi_k3/nvidia/ops/third_party/kda/"
 CONV = "vllm/model_executor/layers/mamba/ops/"
+QWEN = "vllm/models/qwen3_5/nvidia/ops/"
 MODULES = (SRC + "fused_recurrent.py", SRC + "op.py", SRC + "utils.py", SRC + "fused_gdn_decode_post_conv_mtp.py",
-           KDA + "fused_recurrent.py", CONV + "causal_conv1d.py")
+           KDA + "fused_recurrent.py", CONV + "causal_conv1d.py", QWEN + "fused_gdn_gated_norm.py")
+# Modules of which only some top-level functions are taken, under a header of imports from the
+# stand-ins: path -> (header, function names).
+EXCERPTS = {
+    SRC + "layernorm_guard.py": ("import torch\n\nfrom vllm.utils.math_utils import cdiv, next_power_of_2\n"
+                                 "from vllm.utils.platform_utils import num_compute_units\n",
+                                 ("calc_rows_per_block",)),
+}
 CUDA_OP_SO = "vllm/_C_stable_libtorch.abi3.so"
 CUDA_OP_FILE = "vllm_C_stable.so.xz"
 VERSION_FILE = "VERSION"
@@ -132,6 +143,9 @@ current_platform = _CudaPlatform()
     # The package __init__s import the chunked prefill too; the packed decode needs none of it.
     "vllm/models/__init__.py": "",
     "vllm/models/kimi_k3/__init__.py": "",
+    "vllm/models/qwen3_5/__init__.py": "",
+    "vllm/models/qwen3_5/nvidia/__init__.py": "",
+    QWEN + "__init__.py": "",
     "vllm/models/kimi_k3/nvidia/__init__.py": "",
     "vllm/models/kimi_k3/nvidia/ops/__init__.py": "",
     "vllm/models/kimi_k3/nvidia/ops/third_party/__init__.py": "",
@@ -184,7 +198,7 @@ def missing_stand_ins(files: dict[str, str]) -> list[str]:
                      if isinstance(node, ast.ClassDef) and node.name == "_CudaPlatform"), None)
     methods = {f.name for f in platform.body if isinstance(f, ast.FunctionDef)} if platform else set()
     missing = []
-    for path in MODULES:
+    for path in MODULES + tuple(EXCERPTS):
         tree = trees[module_name(path)]
         for node in tree.body:
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
@@ -197,6 +211,19 @@ def missing_stand_ins(files: dict[str, str]) -> list[str]:
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "current_platform"}
         missing += [f"{path}: current_platform.{attr}" for attr in sorted(used - methods)]
     return missing
+
+
+def excerpt(path: str, source: str) -> str:
+    """EXCERPTS[path]'s header and the named top-level functions of source, in that order; a name the
+    module no longer defines stops the fetch."""
+    header, names = EXCERPTS[path]
+    tree = ast.parse(source)
+    found = {node.name: ast.get_source_segment(source, node) for node in tree.body
+             if isinstance(node, ast.FunctionDef) and node.name in names}
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise SystemExit(f"fetch_vllm_ops: {path} no longer defines {', '.join(missing)}")
+    return header + "".join(f"\n\n{found[name]}\n" for name in names)
 
 
 def wheel_version(wheel: Path) -> str:
@@ -241,6 +268,7 @@ def extract_modules(zf: zipfile.ZipFile, dest: Path) -> None:
     """vLLM's modules and the stand-ins into dest, checked first (a vLLM needing more stand-ins
     leaves dest as it was); dest's VERSION goes while they are replaced, record_version writes it."""
     modules = {name: zf.read(name).decode() for name in MODULES}
+    modules.update({name: excerpt(name, zf.read(name).decode()) for name in EXCERPTS})
     missing = missing_stand_ins({**modules, **SHIMS})
     if missing:
         raise SystemExit("fetch_vllm_ops: this vLLM's decode modules need stand-ins SHIMS does not have yet:\n  "

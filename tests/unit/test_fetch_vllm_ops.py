@@ -16,11 +16,23 @@ RECURRENT = "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py"
 UTILS = "vllm/third_party/flash_linear_attention/ops/utils.py"
 OP = "vllm/third_party/flash_linear_attention/ops/op.py"
 CONV = "vllm/model_executor/layers/mamba/ops/causal_conv1d.py"
+NORM = "vllm/models/qwen3_5/nvidia/ops/fused_gdn_gated_norm.py"
+GUARD = "vllm/third_party/flash_linear_attention/ops/layernorm_guard.py"
+# vLLM 0.34's layernorm_guard.py as far as the fetch reads it: imports from far into vLLM, the one
+# function the norm module takes, and more beside it.
+GUARD_0_34 = ("import torch\nfrom einops import rearrange\n"
+              "from vllm.model_executor.warmup.jit_warmup import VllmJitKernel\n"
+              "from vllm.utils.math_utils import cdiv, next_power_of_2\n"
+              "from vllm.utils.platform_utils import num_compute_units\n\n\n"
+              "def calc_rows_per_block(M: int, device: torch.device) -> int:\n"
+              "    sm_count = num_compute_units(device.index)\n"
+              "    return min(next_power_of_2(cdiv(M, 2 * sm_count)), 4)\n\n\n"
+              "class LayerNormFwdKernel(VllmJitKernel):\n    pass\n")
 
 
 def modules(sources: dict[str, str]) -> dict[str, str]:
     """Every module fetch_vllm_ops extracts (empty but for `sources`: path -> text), and its SHIMS."""
-    return {**{name: "" for name in fetch.MODULES}, **sources, **fetch.SHIMS}
+    return {**{name: "" for name in fetch.MODULES + tuple(fetch.EXCERPTS)}, **sources, **fetch.SHIMS}
 
 
 def test_the_stand_ins_cover_what_vllm_0_34_s_packed_decode_asks_for():
@@ -33,6 +45,24 @@ def test_the_stand_ins_cover_what_vllm_0_34_s_packed_decode_asks_for():
              "hopper = 'NVIDIA H' in current_platform.get_device_name(0) or "
              "current_platform.get_device_capability(0).major >= 9\namd = current_platform.is_rocm()\n")
     assert fetch.missing_stand_ins(modules({RECURRENT: recurrent, UTILS: utils})) == []
+
+
+def test_the_norm_module_gets_the_one_function_it_takes_from_layernorm_guard():
+    # 0.34's fused_gdn_gated_norm.py imports calc_rows_per_block; the rest of layernorm_guard.py
+    # (its JIT warm-up classes) is not taken, nor its imports.
+    norm = ("import torch\nfrom vllm.third_party.flash_linear_attention.ops.layernorm_guard import "
+            "calc_rows_per_block\nfrom vllm.triton_utils import tl, triton\n")
+    cut = fetch.excerpt(GUARD, GUARD_0_34)
+    assert "def calc_rows_per_block" in cut and "LayerNormFwdKernel" not in cut and "jit_warmup" not in cut
+    assert fetch.missing_stand_ins(modules({NORM: norm, GUARD: cut})) == []
+    namespace = {}
+    exec(compile(cut.replace("from vllm.", "# from vllm."), GUARD, "exec"), namespace)  # noqa: S102
+    assert "calc_rows_per_block" in namespace
+
+
+def test_a_function_the_excerpted_module_no_longer_defines_stops_the_fetch():
+    with pytest.raises(SystemExit, match="layernorm_guard.py no longer defines calc_rows_per_block"):
+        fetch.excerpt(GUARD, "def calc_rows(M, device):\n    return 1\n")
 
 
 def test_a_name_or_a_platform_method_the_stand_ins_lack_is_named_with_its_module():
@@ -91,6 +121,7 @@ def test_a_vllm_needing_more_stand_ins_leaves_the_fetched_folder_as_it_was(tmp_p
         for name in fetch.MODULES:
             zf.writestr(name, "from vllm.platforms import current_platform\nx = current_platform.is_xpu()\n"
                         if name == RECURRENT else "")
+        zf.writestr(GUARD, GUARD_0_34)
     dest = tmp_path / "vllm_fla"
     fetch.record_version(dest, "0.33.0")
     (dest / "kept.py").write_text("old")
