@@ -14,9 +14,9 @@ benchmarks' tables quote:
   layer runs before the step, model_executor/layers/mamba/ops/causal_conv1d.py, for
   benchmarks/conv_share.py; the gated RMSNorm with its static-FP8 output that vLLM's Qwen3.5
   NVIDIA layers run after the T=1 decode, models/qwen3_5/nvidia/ops/fused_gdn_gated_norm.py, for
-  benchmarks/fp8_t1_bench.py, with the one function it takes from ops/layernorm_guard.py cut out of
-  that module, whose other imports reach far into vLLM), with small stand-ins for the vLLM modules they import
-  (vllm.triton_utils, vllm.platforms, vllm.utils.math_utils, vllm.utils.platform_utils,
+  benchmarks/fp8_bench.py, with the one function it takes from ops/layernorm_guard.py cut out of
+  that module, whose other imports reach far into vLLM), with small stand-ins for the vLLM modules
+  they import (vllm.triton_utils, vllm.platforms, vllm.utils.math_utils, vllm.utils.platform_utils,
   vllm.v1.attention.backends.utils). The names those modules import and the current_platform
   methods they call are checked against the stand-ins here, so that a vLLM needing more fails
   before a GPU machine is started;

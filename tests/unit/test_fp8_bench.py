@@ -1,4 +1,4 @@
-"""benchmarks/fp8_t1_bench.py without a GPU: its dry run (cudelta's calls on CPU tensors, the
+"""benchmarks/fp8_bench.py without a GPU: its dry run (cudelta's calls on CPU tensors, the
 reference's FP8 output, the check, the table), the check stopping a call that rounds with another
 scale, and the allowance of one e4m3 step."""
 
@@ -11,9 +11,10 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import fp8_t1_bench as fb  # noqa: E402
+import fp8_bench as fb  # noqa: E402
 
-DRY = ["--device", "cpu", "--dram-mib", "4", "--heads", "4/8", "--states", "bfloat16", "--batches", "1"]
+DRY = ["--device", "cpu", "--dram-mib", "4", "--heads", "4/8", "--states", "bfloat16", "--batches", "1",
+       "--tokens", "1", "3"]
 
 
 @pytest.fixture(autouse=True)
@@ -26,20 +27,21 @@ def restore_bench_globals():
 def test_the_dry_run_checks_and_times_cudelta_s_calls_and_says_why_vllm_is_missing(capsys):
     assert fb.main(DRY) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "vLLM not loaded: the CPU dry run has no vLLM" in lines[0] and "heads 4/8" in lines[0]
-    row = [c.strip() for c in lines[-1].strip("|").split("|")]
-    assert row[:2] == ["bfloat16", "1"] and row[4:6] == ["-", "-"]
-    assert float(row[2]) > 0 and float(row[3]) > 0
+    assert "vLLM MTP + quant: not loaded (the CPU dry run)" in lines[0] and "heads 4/8" in lines[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
+    assert [r[:3] for r in rows] == [["bfloat16", "1", "1"], ["bfloat16", "1", "3"]]
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[4]) > 0 and r[5:8] == ["-", "-", "-"]
 
 
 def test_a_call_that_rounds_with_another_scale_is_stopped_before_timing(monkeypatch):
     real = fb.calls
 
-    def twice_the_scale(cell, vllm, scale, out8):
-        return real(cell, vllm, scale * 2, out8)
+    def twice_the_scale(cell, vllm_mtp, vllm_t1, scale, out8):
+        return real(cell, vllm_mtp, vllm_t1, scale * 2, out8)
 
     monkeypatch.setattr(fb, "calls", twice_the_scale)
-    with pytest.raises(SystemExit, match=r"bfloat16 B=1: cudelta fp8: out [\d.]+x its allowance"):
+    with pytest.raises(SystemExit, match=r"bfloat16 B=1 T=1: cudelta fp8: out [\d.]+x its allowance"):
         fb.main(DRY)
 
 
@@ -52,6 +54,9 @@ def test_one_e4m3_step_is_allowed_and_two_are_not():
     assert fb.fp8_excess(torch.tensor([float("nan")]).to(torch.float8_e4m3fn), e[:1]) == float("inf")
 
 
-def test_the_row_reads_the_ratio_to_vllm_and_the_fp8_output_s_cost():
-    row = dict(state="float32", B=8, us={"cudelta bf16": 10.0, "cudelta fp8": 10.5, "vLLM fp8": 21.0})
-    assert fb.row_text(row) == "| float32 | 8 | 10.0 | 10.5 | 21.0 | 2.00x | +0.5 |"
+def test_the_row_reads_the_faster_vllm_flow_over_cudelta_and_the_fp8_output_s_cost():
+    row = dict(state="float32", B=8, T=1, us={fb.CUDELTA_BF16: 10.0, fb.CUDELTA_FP8: 10.5, fb.VLLM_MTP: 21.0,
+                                              fb.VLLM_T1: 15.75})
+    assert fb.row_text(row) == "| float32 | 8 | 1 | 10.0 | 10.5 | 21.0 | 15.8 | 1.50x | +0.5 |"
+    del row["us"][fb.VLLM_T1]
+    assert fb.row_text(row).endswith("| 21.0 | - | 2.00x | +0.5 |")

@@ -1,0 +1,244 @@
+"""The GDN decode step whose output is out_proj's static-FP8 input: cudelta's one call (the epilogue with
+output_scale) beside the two ways vLLM 0.34's Qwen3.5 layers make that input.
+
+- vLLM MTP + quant, any T (speculative decoding): its CUDA MTP op writes the normed output in bf16,
+  then out_proj's FP8 linear quantizes its input with torch.ops._C.static_scaled_fp8_quant (both
+  from vLLM's ops library, .peers/cuda_op).
+- vLLM T=1 + norm-quant, T=1 only (the Qwen3.5 NVIDIA layer without speculative decoding): its
+  Triton packed decode into a bf16 buffer, then its Triton gated RMSNorm with the FP8 output,
+  fused_gdn_gated_rms_norm(..., scale=) (.peers/vllm_fla).
+- cudelta fp8: cudelta.gdn_decode with vLLM's MTP contract (cu_seqlens, idx [B, T],
+  num_accepted_tokens), the epilogue and output_scale; cudelta bf16: the same call without the
+  scale, which shows what the FP8 output costs.
+
+    python benchmarks/fetch_vllm_ops.py --cache /tmp/vllm-wheel    # once, where PyPI is reachable
+    # on the GPU machine (carry [".peers/cuda_op", ".peers/vllm_fla"]), cudelta built there:
+    python -P benchmarks/fp8_bench.py [--states bfloat16 float32] [--batches 1 4 8 32 128 512]
+        [--tokens 1 2 4 8] [--heads 16/32] [--json FILE]
+
+Method: mtp_bench's Cell and clock. The pool is vLLM's padded pages, and the state comes from DRAM
+(slot sets cycling over >= 256 MiB). Each call is followed by a one-element kernel whose own time is
+subtracted, and timed as a CUDA graph, best of 5. One process: medians over processes are
+mtp_bench's, not this script's. Inputs are as vLLM's layer holds them: q, k, v and z are views of
+the qkvz projection's rows, raw gates a and b, num_accepted_tokens in 1..T, slot 0 the null block.
+The FP8 scale is 0.02, which keeps these outputs below 448.
+
+Before timing, each call runs on its own copy of a check pool and is compared with cudelta's
+PyTorch reference run on the GPU (static_fp8 of the epilogue's output):
+- each FP8 value must be within one e4m3 step of the reference's, because a bf16 ulp before the
+  rounding can move it one step;
+- every state slot the step writes must be within mtp_bench's tolerance;
+- every other byte of the pages must be unchanged.
+
+A call that disagrees stops the run. `--device cpu` is a dry run of the plumbing: the cudelta
+calls run the reference, there are no vLLM columns, and the times are wall times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mtp_bench as bench  # noqa: E402
+from fetch_vllm_ops import CUDA_OP_DIR, FLA_DIR, fetched_version  # noqa: E402
+
+FP8_SCALE = 0.02
+E4M3_STEP = 1 / 8  # e4m3's 3 mantissa bits: neighbours at most an eighth of the larger apart
+E4M3_SUBNORMAL = 2.0 ** -9  # its step below 2^-6
+CUDELTA_BF16, CUDELTA_FP8 = "cudelta bf16", "cudelta fp8"
+VLLM_MTP, VLLM_T1 = "vLLM MTP + quant", "vLLM T=1 + norm-quant"
+IMPLS = (CUDELTA_BF16, CUDELTA_FP8, VLLM_MTP, VLLM_T1)
+
+
+def load_vllm_t1():
+    """(packed decode, gated norm) from .peers/vllm_fla, or (None, why not)."""
+    sys.path.insert(0, str(FLA_DIR))
+    try:
+        from vllm.models.qwen3_5.nvidia.ops.fused_gdn_gated_norm import fused_gdn_gated_rms_norm
+        from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
+    except Exception as exc:  # noqa: BLE001  (not fetched, a fetch older than the norm module, no GPU)
+        return None, bench.short(exc)
+    return (fused_recurrent_gated_delta_rule_packed_decode, fused_gdn_gated_rms_norm), ""
+
+
+def load_vllm_mtp(folder: Path):
+    """(MTP op, static_scaled_fp8_quant) from vLLM's ops library, or (None, why not)."""
+    so, reason = bench.unpack_cuda_op(bench.cuda_op_archive(None), folder)
+    mtp, reason = bench.load_vllm_cuda(so, reason)
+    if mtp is None:
+        return None, reason
+    quant, reason = bench.load_vllm_cuda(so, reason, op="static_scaled_fp8_quant")
+    return ((mtp, quant), "") if quant is not None else (None, reason)
+
+
+def call_kwargs(cell) -> dict:
+    """cudelta's arguments for vLLM's MTP call with the epilogue (the reference takes the same)."""
+    return dict(a=cell.a, b=cell.b, A_log=cell.A_log, dt_bias=cell.dt_bias, scale=bench.SCALE, use_qk_l2norm=True,
+                layout="vk", invalid_slot="nonpositive", cu_seqlens=cell.cu_seqlens, num_accepted_tokens=cell.acc,
+                output_gate=cell.z, norm_weight=cell.norm_weight, norm_eps=bench.NORM_EPS, gate_activation="silu")
+
+
+def calls(cell, vllm_mtp, vllm_t1, scale, out8) -> dict:
+    """name -> call(state, idx [B, T]) -> its output (cell.out in bf16, or out8)."""
+    import torch
+
+    import cudelta
+
+    kw = call_kwargs(cell)
+
+    def cudelta_call(out, **extra):
+        return lambda state, idx: cudelta.gdn_decode(cell.q, cell.k, cell.v, None, None, state, idx, out=out, **kw,
+                                                     **extra)
+
+    named = {CUDELTA_BF16: cudelta_call(cell.out), CUDELTA_FP8: cudelta_call(out8, output_scale=scale)}
+    L, HV, V = cell.B * cell.T, bench.HV, bench.V
+    if vllm_mtp is not None:
+        mtp, quant = vllm_mtp
+        step = cell.mtp_call(mtp)
+
+        def mtp_then_quant(state, idx):
+            step(state, idx)
+            quant(out8.view(L, HV * V), cell.out.view(L, HV * V), scale)
+            return out8
+
+        named[VLLM_MTP] = mtp_then_quant
+    if vllm_t1 is not None and cell.T == 1:
+        decode, norm = vllm_t1
+        core = torch.empty(cell.B, 1, HV, V, device=bench.DEVICE, dtype=torch.bfloat16)
+
+        def t1_then_norm(state, idx):
+            decode(cell.mixed_qkv, cell.a, cell.b, cell.A_log, cell.dt_bias, bench.SCALE, state, core, idx[:, 0],
+                   use_qk_l2norm_in_kernel=True)
+            norm(x=core.view(L, HV * V), z=cell.z.flatten(1), weight=cell.norm_weight, out=out8.view(L, HV * V),
+                 eps=bench.NORM_EPS, num_v_heads=HV, head_v_dim=V, norm_before_gate=True, activation="silu",
+                 scale=scale)
+            return out8
+
+        named[VLLM_T1] = t1_then_norm
+    return named
+
+
+def fp8_excess(actual, expected) -> float:
+    """The largest |difference| over its allowance (one e4m3 step of the larger value); NaN is inf."""
+    import torch
+
+    a, e = actual.float(), expected.float()
+    d = (a - e).abs()
+    if torch.isnan(d).any():
+        return float("inf")
+    return float((d / (E4M3_STEP * torch.maximum(a.abs(), e.abs()) + E4M3_SUBNORMAL)).max())
+
+
+def check_all(cell, named: dict, scale) -> list[str]:
+    """What disagrees with the reference, one line each (empty: every call computes the step)."""
+    import torch
+
+    from cudelta.reference import gdn_decode_reference
+
+    base_pages, base_state = cell.pool(1 + cell.B * cell.T + bench.SPARE_SLOTS, random_bytes=True)
+    idx = cell.slot_sets(1)[0]
+    ref_pages = base_pages.clone()
+    ref_state = ref_pages[:, bench.CONV_BYTES:bench.CONV_BYTES + cell.block].view(cell.dtype).view(base_state.shape)
+    kw = call_kwargs(cell)
+    ref_bf16 = gdn_decode_reference(cell.q, cell.k, cell.v, None, None, ref_state.clone(), idx, **kw)
+    ref8 = gdn_decode_reference(cell.q, cell.k, cell.v, None, None, ref_state, idx, output_scale=scale, **kw)
+    wrong = []
+    for name, call in named.items():
+        pages = base_pages.clone()
+        state = pages[:, bench.CONV_BYTES:bench.CONV_BYTES + cell.block].view(cell.dtype).view(base_state.shape)
+        got = call(state, idx)
+        bench.sync()
+        if got.dtype == torch.float8_e4m3fn:
+            ratio = fp8_excess(got, ref8)
+        else:
+            ratio = bench.excess(got, ref_bf16, bench.TOL_OUT)[1]
+        _, st_ratio, problem = bench.compare_pools(cell, pages, state, ref_pages, ref_state, base_pages,
+                                                   idx.reshape(-1).long())
+        if ratio > 1 or st_ratio > 1 or problem:
+            wrong.append(f"{name}: out {ratio:.3g}x its allowance, state {st_ratio:.3g}x"
+                         + (f"; {problem}" if problem else ""))
+        del pages, state
+    return wrong
+
+
+def run(state: str, B: int, T: int, vllm_mtp, vllm_t1) -> dict:
+    import torch
+
+    cell = bench.Cell(state, B, T, seed=B * 16 + T)
+    scale = torch.tensor([FP8_SCALE], device=bench.DEVICE)
+    out8 = torch.empty(B * T, bench.HV, bench.V, device=bench.DEVICE, dtype=torch.float8_e4m3fn)
+    named = calls(cell, vllm_mtp, vllm_t1, scale, out8)
+    wrong = check_all(cell, named, scale)
+    if wrong:  # a call that does not compute the step is not timed
+        raise SystemExit(f"fp8_bench: {state} B={B} T={T}: " + "; ".join(wrong))
+    bench.empty_cache()
+    _, pool = cell.pool(1 + cell.sets * B * T, random_bytes=False)
+    sets = cell.slot_sets(cell.sets)
+    n_calls = max(bench.MIN_CALLS, cell.sets)
+    between = torch.zeros(1, device=bench.DEVICE)
+    gap, _ = bench.time_call(lambda i: between.add_(1), cell.sets, n_calls)
+    us = {}
+    for name, call in named.items():
+        def step(i, call=call):
+            call(pool, sets[i])
+            between.add_(1)
+
+        us[name] = round(bench.time_call(step, cell.sets, n_calls)[0] - gap, 2)
+    del pool, sets
+    bench.empty_cache()
+    return dict(state=state, B=B, T=T, us=us)
+
+
+def row_text(row: dict) -> str:
+    """The table's row: each implementation's µs, the faster vLLM flow over cudelta fp8, and what the
+    FP8 output costs cudelta over bf16."""
+    us = row["us"]
+    cells = [f"{us[n]:.1f}" if n in us else "-" for n in IMPLS]
+    fp8 = us.get(CUDELTA_FP8)
+    peers = [us[n] for n in (VLLM_MTP, VLLM_T1) if n in us]
+    ratio = f"{min(peers) / fp8:.2f}x" if fp8 and peers else "-"
+    cost = f"{fp8 - us[CUDELTA_BF16]:+.1f}" if fp8 and CUDELTA_BF16 in us else "-"
+    return f"| {row['state']} | {row['B']} | {row['T']} | " + " | ".join(cells) + f" | {ratio} | {cost} |"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--states", nargs="+", choices=bench.STATES, default=bench.STATES)
+    ap.add_argument("--batches", nargs="+", type=int, default=bench.FULL["batches"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=bench.FULL["tokens"])
+    ap.add_argument("--heads", type=bench.parse_heads, default=(16, 32), metavar="H/HV")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
+    ap.add_argument("--dram-mib", type=int, default=bench.DRAM_BYTES >> 20, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    bench.set_heads(*args.heads)
+    bench.DEVICE, bench.DRAM_BYTES = args.device, args.dram_mib << 20
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fp8_bench-") as tmp:
+        if args.device == "cpu":
+            (vllm_mtp, mtp_why), (vllm_t1, t1_why) = (None, "the CPU dry run"), (None, "the CPU dry run")
+        else:
+            (vllm_mtp, mtp_why), (vllm_t1, t1_why) = load_vllm_mtp(Path(tmp)), load_vllm_t1()
+        print(f"fp8_bench: heads {bench.H}/{bench.HV}, K=V=128, bf16 q/k/v/z, FP8 scale {FP8_SCALE}; "
+              f"{VLLM_MTP}: {fetched_version(CUDA_OP_DIR) if vllm_mtp else 'not loaded (' + mtp_why + ')'}; "
+              f"{VLLM_T1}: {fetched_version(FLA_DIR) if vllm_t1 else 'not loaded (' + t1_why + ')'}. "
+              "µs per call, one process.")
+        print("| state | B | T | " + " | ".join(IMPLS) + " | vLLM ÷ cudelta fp8 | fp8 - bf16 |")
+        print("|---" * (len(IMPLS) + 5) + "|")
+        for state in args.states:
+            for B in args.batches:
+                for T in args.tokens:
+                    rows.append(run(state, B, T, vllm_mtp, vllm_t1))
+                    print(row_text(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
