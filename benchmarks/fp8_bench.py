@@ -16,9 +16,9 @@ output_scale) beside the two ways vLLM 0.34's Qwen3.5 layers make that input.
     python -P benchmarks/fp8_bench.py [--states bfloat16 float32] [--batches 1 4 8 32 128 512]
         [--tokens 1 2 4 8] [--heads 16/32] [--json FILE]
 
-Method: mtp_bench's Cell and clock. The pool is vLLM's padded pages, and the state comes from DRAM
-(slot sets cycling over >= 256 MiB). Each call is followed by a one-element kernel whose own time is
-subtracted, and timed as a CUDA graph, best of 5. One process: medians over processes are
+Method: mtp_bench's Cell and its time_cell. The pool is vLLM's padded pages, and the state comes
+from DRAM (slot sets cycling over >= 256 MiB). Each call is followed by a one-element kernel whose
+own time is subtracted, and timed as a CUDA graph, best of 5. One process: medians over processes are
 mtp_bench's, not this script's. Inputs are as vLLM's layer holds them: q, k, v and z are views of
 the qkvz projection's rows, raw gates a and b, num_accepted_tokens in 1..T, slot 0 the null block.
 The FP8 scale is 0.02, which keeps these outputs below 448.
@@ -76,20 +76,13 @@ def load_vllm_mtp(folder: Path):
     return ((mtp, quant), "") if quant is not None else (None, reason)
 
 
-def call_kwargs(cell) -> dict:
-    """cudelta's arguments for vLLM's MTP call with the epilogue (the reference takes the same)."""
-    return dict(a=cell.a, b=cell.b, A_log=cell.A_log, dt_bias=cell.dt_bias, scale=bench.SCALE, use_qk_l2norm=True,
-                layout="vk", invalid_slot="nonpositive", cu_seqlens=cell.cu_seqlens, num_accepted_tokens=cell.acc,
-                output_gate=cell.z, norm_weight=cell.norm_weight, norm_eps=bench.NORM_EPS, gate_activation="silu")
-
-
 def calls(cell, vllm_mtp, vllm_t1, scale, out8) -> dict:
     """name -> call(state, idx [B, T]) -> its output (cell.out in bf16, or out8)."""
     import torch
 
     import cudelta
 
-    kw = call_kwargs(cell)
+    kw = cell.mtp_kwargs()
 
     def cudelta_call(out, **extra):
         return lambda state, idx: cudelta.gdn_decode(cell.q, cell.k, cell.v, None, None, state, idx, out=out, **kw,
@@ -138,19 +131,16 @@ def check_all(cell, named: dict, scale) -> list[str]:
     """What disagrees with the reference, one line each (empty: every call computes the step)."""
     import torch
 
-    from cudelta.reference import gdn_decode_reference
-
-    base_pages, base_state = cell.pool(1 + cell.B * cell.T + bench.SPARE_SLOTS, random_bytes=True)
+    base_pages, _ = cell.pool(1 + cell.B * cell.T + bench.SPARE_SLOTS, random_bytes=True)
     idx = cell.slot_sets(1)[0]
     ref_pages = base_pages.clone()
-    ref_state = ref_pages[:, bench.CONV_BYTES:bench.CONV_BYTES + cell.block].view(cell.dtype).view(base_state.shape)
-    kw = call_kwargs(cell)
-    ref_bf16 = gdn_decode_reference(cell.q, cell.k, cell.v, None, None, ref_state.clone(), idx, **kw)
-    ref8 = gdn_decode_reference(cell.q, cell.k, cell.v, None, None, ref_state, idx, output_scale=scale, **kw)
+    ref_state = cell.state_of(ref_pages)
+    ref_bf16 = cell.reference(ref_state.clone(), idx, True)
+    ref8 = cell.reference(ref_state, idx, True, output_scale=scale)
     wrong = []
     for name, call in named.items():
         pages = base_pages.clone()
-        state = pages[:, bench.CONV_BYTES:bench.CONV_BYTES + cell.block].view(cell.dtype).view(base_state.shape)
+        state = cell.state_of(pages)
         got = call(state, idx)
         bench.sync()
         if got.dtype == torch.float8_e4m3fn:
@@ -177,21 +167,14 @@ def run(state: str, B: int, T: int, vllm_mtp, vllm_t1) -> dict:
     if wrong:  # a call that does not compute the step is not timed
         raise SystemExit(f"fp8_bench: {state} B={B} T={T}: " + "; ".join(wrong))
     bench.empty_cache()
-    _, pool = cell.pool(1 + cell.sets * B * T, random_bytes=False)
-    sets = cell.slot_sets(cell.sets)
-    n_calls = max(bench.MIN_CALLS, cell.sets)
-    between = torch.zeros(1, device=bench.DEVICE)
-    gap, _ = bench.time_call(lambda i: between.add_(1), cell.sets, n_calls)
-    us = {}
-    for name, call in named.items():
-        def step(i, call=call):
-            call(pool, sets[i])
-            between.add_(1)
 
-        us[name] = round(bench.time_call(step, cell.sets, n_calls)[0] - gap, 2)
-    del pool, sets
+    def failed(name, reason):  # a call that cannot be timed stops the run too
+        raise SystemExit(f"fp8_bench: {state} B={B} T={T}: {name} could not be timed: {reason}")
+
+    timed = {"times": []}
+    bench.time_cell(cell, named, failed, timed, separate=True)
     bench.empty_cache()
-    return dict(state=state, B=B, T=T, us=us)
+    return dict(state=state, B=B, T=T, us={t["impl"]: round(t["us"], 2) for t in timed["times"]})
 
 
 def row_text(row: dict) -> str:

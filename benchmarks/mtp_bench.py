@@ -352,9 +352,13 @@ class Cell:
         pages = torch.empty(slots, self.page, device=DEVICE, dtype=torch.int8)
         if random_bytes:
             pages.random_(-128, 128, generator=self.gen)
-        state = pages[:, CONV_BYTES:CONV_BYTES + self.block].view(self.dtype).view(slots, HV, V, K)
+        state = self.state_of(pages)
         state.normal_(0.0, 0.1, generator=self.gen)
         return pages, state
+
+    def state_of(self, pages):
+        """The state view [slots, HV, V, K] into pages [slots, page] (pool's, or a copy's)."""
+        return pages[:, CONV_BYTES:CONV_BYTES + self.block].view(self.dtype).view(pages.shape[0], HV, V, K)
 
     def slot_sets(self, sets: int):
         """sets index tensors [B, T] int32 over slots 1..sets*B*T (a permutation: no slot twice)."""
@@ -374,16 +378,23 @@ class Cell:
                                              A_log=self.A_log, dt_bias=self.dt_bias, scale=SCALE, use_qk_l2norm=True,
                                              layout="vk", invalid_slot="nonpositive", out=self.out)
 
-    def reference(self, state, idx, epilogue: bool):
+    def mtp_kwargs(self) -> dict:
+        """gdn_decode's options (beyond q, k, v, no precomputed gates, the pool and idx [B, T]) for
+        vLLM's MTP call with the epilogue: raw gates, its contract, the gated RMSNorm."""
+        return dict(a=self.a, b=self.b, A_log=self.A_log, dt_bias=self.dt_bias, scale=SCALE, use_qk_l2norm=True,
+                    layout="vk", invalid_slot="nonpositive", cu_seqlens=self.cu_seqlens, num_accepted_tokens=self.acc,
+                    output_gate=self.z, norm_weight=self.norm_weight, norm_eps=NORM_EPS, gate_activation="silu")
+
+    def reference(self, state, idx, epilogue: bool, **extra):
+        """cudelta's PyTorch reference of the cell's step: vLLM's MTP call with the epilogue (and
+        `extra` options), or without it the one-token decode in place at idx[:, 0]."""
         from cudelta.reference import gdn_decode_reference
 
-        kw = dict(a=self.a, b=self.b, A_log=self.A_log, dt_bias=self.dt_bias, scale=SCALE, use_qk_l2norm=True,
-                  layout="vk", invalid_slot="nonpositive")
         if not epilogue:
-            return gdn_decode_reference(self.q, self.k, self.v, None, None, state, idx[:, 0], **kw)
-        return gdn_decode_reference(self.q, self.k, self.v, None, None, state, idx, cu_seqlens=self.cu_seqlens,
-                                    num_accepted_tokens=self.acc, output_gate=self.z, norm_weight=self.norm_weight,
-                                    norm_eps=NORM_EPS, gate_activation="silu", **kw)
+            return gdn_decode_reference(self.q, self.k, self.v, None, None, state, idx[:, 0], a=self.a, b=self.b,
+                                        A_log=self.A_log, dt_bias=self.dt_bias, scale=SCALE, use_qk_l2norm=True,
+                                        layout="vk", invalid_slot="nonpositive")
+        return gdn_decode_reference(self.q, self.k, self.v, None, None, state, idx, **self.mtp_kwargs(), **extra)
 
 
 def excess(actual, expected, tol: tuple[float, float]) -> tuple[float, float]:
@@ -423,11 +434,10 @@ def compare_pools(cell: Cell, pages, state, ref_pages, ref_state, base_pages, wr
     return worst_abs, worst, problem
 
 
-def check(cell: Cell, impl: str, call, idx, base_pages, base_state, ref_out, ref_pages, written) -> dict:
+def check(cell: Cell, impl: str, call, idx, base_pages, ref_out, ref_pages, written) -> dict:
     """impl's step on its own copy of the check pool against the reference's."""
     pages = base_pages.clone()
-    state = pages[:, CONV_BYTES:CONV_BYTES + cell.block].view(cell.dtype).view(base_state.shape)
-    ref_state = ref_pages[:, CONV_BYTES:CONV_BYTES + cell.block].view(cell.dtype).view(base_state.shape)
+    state, ref_state = cell.state_of(pages), cell.state_of(ref_pages)
     cell.out.fill_(float("nan"))
     call(state, idx)
     sync()
@@ -507,7 +517,7 @@ TRACED: set[str] = set()  # implementations whose failure was printed in full al
 def check_cell(cell: Cell, calls: dict, skip, result: dict) -> dict:
     """Each implementation against the reference on a pool of the cell's slots, the null block and
     spare slots (freed on return); returns those that ran, to be timed."""
-    base_pages, base_state = cell.pool(1 + cell.B * cell.T + SPARE_SLOTS, random_bytes=True)
+    base_pages, _ = cell.pool(1 + cell.B * cell.T + SPARE_SLOTS, random_bytes=True)
     idx = cell.slot_sets(1)[0]
     refs = {}
     checked = {}
@@ -517,11 +527,11 @@ def check_cell(cell: Cell, calls: dict, skip, result: dict) -> dict:
         try:
             if epilogue not in refs:
                 ref_pages = base_pages.clone()
-                ref_state = ref_pages[:, CONV_BYTES:CONV_BYTES + cell.block].view(cell.dtype).view(base_state.shape)
+                ref_state = cell.state_of(ref_pages)
                 refs[epilogue] = (cell.reference(ref_state, idx, epilogue), ref_pages)
                 del ref_pages, ref_state
             written = (idx if epilogue else idx[:, :1]).reshape(-1).long()
-            c = check(cell, name, call, idx, base_pages, base_state, *refs[epilogue], written)
+            c = check(cell, name, call, idx, base_pages, *refs[epilogue], written)
         except Exception as exc:  # noqa: BLE001  (NotSupportedOnCUDAError, a peer's own refusal, ...)
             skip(name, short(exc))
             if not isinstance(exc, (NotImplementedError, ValueError, TypeError)) and name not in TRACED:

@@ -60,16 +60,15 @@ def check_all(cell) -> list[dict]:
     """Each call on its own copy of a check pool (the cell's slots, the null block, spare slots)
     against cudelta's PyTorch reference with or without the epilogue: mtp_bench's check (outputs,
     every slot's state, every other byte of the pool unchanged)."""
-    base_pages, base_state = cell.pool(1 + cell.B + bench.SPARE_SLOTS, random_bytes=True)
+    base_pages, _ = cell.pool(1 + cell.B + bench.SPARE_SLOTS, random_bytes=True)
     idx = cell.slot_sets(1)[0]
     refs, rows = {}, []
     for name, call in calls(cell).items():
         epilogue = EPILOGUE[name]
         if epilogue not in refs:
             ref_pages = base_pages.clone()
-            ref_state = ref_pages[:, bench.CONV_BYTES:bench.CONV_BYTES + cell.block].view(cell.dtype)
-            refs[epilogue] = (cell.reference(ref_state.view(base_state.shape), idx, epilogue), ref_pages)
-        rows.append(bench.check(cell, name, call, idx, base_pages, base_state, *refs[epilogue], idx.reshape(-1).long()))
+            refs[epilogue] = (cell.reference(cell.state_of(ref_pages), idx, epilogue), ref_pages)
+        rows.append(bench.check(cell, name, call, idx, base_pages, *refs[epilogue], idx.reshape(-1).long()))
     return rows
 
 

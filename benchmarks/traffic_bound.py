@@ -86,7 +86,7 @@ def check_mover(cell, fan_out) -> None:
     idx = cell.slot_sets(1)[0]
     start = start_slots(idx, cell.acc)
     expected = pages.clone()
-    view = expected[:, bench.CONV_BYTES:bench.CONV_BYTES + cell.block].view(cell.dtype).view(state.shape)
+    view = cell.state_of(expected)
     view.copy_(expected_fan_out(view, idx, start))
     fan_out(state, idx, start)
     bench.sync()

@@ -76,23 +76,27 @@ def _decode(call: DecodeCall, early_state: bool = False) -> torch.Tensor:
     if call.output_scale is not None:
         # Not fused yet: the kernels write the epilogue's output in v's dtype, and the reference's own
         # rounding (static_fp8) follows as torch ops, so both paths round alike. The op never sees the
-        # FP8 out, so every argument is checked here.
+        # FP8 out, so every argument is checked here, once.
         _check(call)
-        o = _run(call, st, torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device), early_state)
+        o = _run(call, st, torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device), early_state,
+                 checked=True)
         quantized = static_fp8(o, call.output_scale)
         return quantized if call.out is None else call.out.copy_(quantized)
     out = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device) if call.out is None else call.out
     return _run(call, st, out, early_state)
 
 
-def _run(call: DecodeCall, st: _native.NativeStatus, out: torch.Tensor, early_state: bool) -> torch.Tensor:
-    """The kernels on a call of native dtypes, writing out (v's shape and dtype)."""
+def _run(call: DecodeCall, st: _native.NativeStatus, out: torch.Tensor, early_state: bool,
+         checked: bool = False) -> torch.Tensor:
+    """The kernels on a call of native dtypes, writing out (v's shape and dtype); checked: the
+    caller has run _check on it already."""
     compiling = torch.compiler.is_compiling()
     # Several tokens a request: the Python checks name a wrong shape before the rows of tokens are
     # formed from it (one token a request: the op checks, and the checks run on its refusal below).
     # Addresses are the op's to compare (overlap=False): it refuses a written tensor sharing memory
     # with a read one, and the except below names it.
-    if call.multi_token or call.layout not in LAYOUTS or call.invalid_slot not in INVALID_SLOT_RULES or compiling:
+    if not checked and (call.multi_token or call.layout not in LAYOUTS or call.invalid_slot not in INVALID_SLOT_RULES
+                        or compiling):
         _check(call, overlap=False)  # traced once under torch.compile: free at run time
     if call.q.dim() == 4 and not _viewable(out):
         # The op writes a scratch buffer here: out's own addresses are compared before it is copied.

@@ -613,18 +613,27 @@ def fp8_call(case: Case, t: dict, state: torch.Tensor, scale: torch.Tensor, out:
     return fn(*args, state, t["idx"], output_scale=scale, **kw)
 
 
-def check_fp8_output(case: Case, device) -> None:
-    """The case run twice from the same inputs and pool, without and with output_scale: the unscaled
-    call checked against the float64 loop (check), the FP8 output written into out= and, byte for
-    byte, static_fp8 of the unscaled output, the pool's whole allocation written alike."""
+def run_fp8_pair(case: Case, device, scale: float, out: bool):
+    """The case run twice from the same inputs and pool, without and with output_scale (into a
+    NaN-filled out= buffer when `out`): (the unscaled step, its snapshot before, its output, the
+    scaled step, its FP8 output, the scale tensor)."""
     plain, fp8 = build(case, device), build(case, device)
     before = snapshot(plain)
     o = call(case, plain)
-    scale = torch.tensor([0.02], device=device)
-    out = torch.full(o.shape, float("nan"), device=device).to(torch.float8_e4m3fn)
-    q8 = fp8_call(case, fp8.t, fp8.state, scale, out)
+    s = torch.tensor([scale], device=device)
+    buffer = torch.full(o.shape, float("nan"), device=device).to(torch.float8_e4m3fn) if out else None
+    q8 = fp8_call(case, fp8.t, fp8.state, s, buffer)
+    assert buffer is None or q8 is buffer
+    return plain, before, o, fp8, q8, s
+
+
+def check_fp8_output(case: Case, device) -> None:
+    """run_fp8_pair at a scale of 0.02: the unscaled call checked against the float64 loop (check),
+    the FP8 output written into out= and, byte for byte, static_fp8 of the unscaled output, the
+    pool's whole allocation written alike."""
+    plain, before, o, fp8, q8, scale = run_fp8_pair(case, device, 0.02, out=True)
     check(case, plain, before, o)
-    assert q8 is out and q8.dtype == torch.float8_e4m3fn
+    assert q8.dtype == torch.float8_e4m3fn
     assert torch.equal(q8.view(torch.uint8), static_fp8(o, scale).view(torch.uint8))
     assert torch.equal(fp8.storage, plain.storage)
     assert q8.float().abs().max() > 0  # not a call whose rows were all skipped
@@ -638,9 +647,5 @@ FP8_SCALES = [2.0 ** -149, 1e-40, 2.0 ** -126, 1e-3, 0.02, 1 / 3, 1.0, 7.0, 2.0 
 
 def check_fp8_scale(scale: float, device) -> None:
     """vLLM's call with the FP8 output at `scale`: byte for byte static_fp8 of the unscaled call."""
-    case = Case(seed=940)
-    plain, fp8 = build(case, device), build(case, device)
-    o = call(case, plain)
-    s = torch.tensor([scale], device=device)
-    q8 = fp8_call(case, fp8.t, fp8.state, s, None)
+    _, _, o, _, q8, s = run_fp8_pair(Case(seed=940), device, scale, out=False)
     assert torch.equal(q8.view(torch.uint8), static_fp8(o, s).view(torch.uint8))
