@@ -69,6 +69,7 @@ const char* dtype_name(ScalarType t) {
     case ScalarType::Int: return "int32";
     case ScalarType::Long: return "int64";
     case ScalarType::Double: return "float64";
+    case ScalarType::Float8_e4m3fn: return "float8_e4m3fn";
     default: return "another dtype";
   }
 }
@@ -239,6 +240,7 @@ struct DecodeArgs {
   int64_t layout, min_slot, tokens, gate_activation, variant;
   bool pdl, early_state;
   double gate_lower_bound;
+  std::optional<Tensor> output_scale;
 };
 
 // An index tensor: int32 or int64, contiguous, of the given shape.
@@ -266,7 +268,7 @@ void decode(const DecodeArgs& x) {
   for (auto [t, name] : {std::pair<const std::optional<Tensor>&, const char*>{x.g, "g"}, {x.beta, "beta"},
                          {x.a, "a"}, {x.b, "b"}, {x.A_log, "A_log"}, {x.dt_bias, "dt_bias"},
                          {x.cu_seqlens, "cu_seqlens"}, {x.num_accepted_tokens, "num_accepted_tokens"},
-                         {x.output_gate, "output_gate"}, {x.norm_weight, "norm_weight"}}) {
+                         {x.output_gate, "output_gate"}, {x.norm_weight, "norm_weight"}, {x.output_scale, "output_scale"}}) {
     if (t.has_value()) check_cuda(op, *t, name, device);
   }
   // Rows: one per request, or, with several tokens a request, one per token (cu_seqlens or
@@ -350,8 +352,20 @@ void decode(const DecodeArgs& x) {
   }
   CUDELTA_CHECK(x.min_slot == 0 || x.min_slot == 1, op, ": min_slot ", x.min_slot,
                   " is not accepted; accepted: 0 (invalid_slot='negative'), 1 ('nonpositive')");
-  CUDELTA_CHECK(out.scalar_type() == v.scalar_type(), op, ": out must have v's dtype ",
-                  dtype_name(v.scalar_type()), ", got ", dtype_name(out.scalar_type()));
+  // The epilogue's FP8 output: output_scale, a float32 [1] (vLLM's static per-tensor scale), and out e4m3.
+  if (x.output_scale.has_value()) {
+    CUDELTA_CHECK(x.output_gate.has_value(), op, ": output_scale quantizes the gated RMSNorm epilogue's output to FP8: ",
+                  "pass output_gate and norm_weight too");
+    CUDELTA_CHECK(x.output_scale->scalar_type() == ScalarType::Float && x.output_scale->numel() == 1, op,
+                  ": output_scale must be a float32 tensor of one element, got ", dtype_name(x.output_scale->scalar_type()),
+                  " ", shape_of(*x.output_scale));
+    CUDELTA_CHECK(out.scalar_type() == ScalarType::Float8_e4m3fn, op,
+                  ": out must be float8_e4m3fn with output_scale (the FP8 output), got ", dtype_name(out.scalar_type()));
+  } else {
+    CUDELTA_CHECK(out.scalar_type() == v.scalar_type(), op, ": out must have v's dtype ",
+                  dtype_name(v.scalar_type()), ", got ", dtype_name(out.scalar_type()),
+                  out.scalar_type() == ScalarType::Float8_e4m3fn ? " (an FP8 out needs output_scale)" : "");
+  }
   CUDELTA_CHECK(out.dim() == 3 && out.size(0) == L && out.size(1) == HV && out.size(2) == V &&
                       out.stride(2) == 1,
                   op, ": out must be [", rows, ", HV, V] = [", L, ", ", HV, ", ", V,
@@ -387,7 +401,7 @@ void decode(const DecodeArgs& x) {
       {&q, "q"}, {&k, "k"}, {&v, "v"}, {&idx, "idx"}, {opt(x.cu_seqlens), "cu_seqlens"},
       {opt(x.num_accepted_tokens), "num_accepted_tokens"}, {opt(x.output_gate), "output_gate"},
       {opt(x.norm_weight), "norm_weight"}, {opt(x.g), "g"}, {opt(x.beta), "beta"}, {opt(x.a), "a"},
-      {opt(x.b), "b"}, {opt(x.A_log), "A_log"}, {opt(x.dt_bias), "dt_bias"}};
+      {opt(x.b), "b"}, {opt(x.A_log), "A_log"}, {opt(x.dt_bias), "dt_bias"}, {opt(x.output_scale), "output_scale"}};
   constexpr size_t kInputs = sizeof(inputs) / sizeof(inputs[0]);
   Span spans[kInputs];  // an absent input's is empty: it meets nothing
   for (size_t i = 0; i < kInputs; ++i) {
@@ -479,6 +493,7 @@ void decode(const DecodeArgs& x) {
     p.norm_weight_dtype = float_dtype(op, "norm_weight", x.norm_weight->scalar_type());
     p.norm_eps = static_cast<float>(x.norm_eps);
   }
+  p.out_scale = x.output_scale.has_value() ? static_cast<const float*>(x.output_scale->data_ptr()) : nullptr;
 
   torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;
@@ -494,10 +509,10 @@ void decode_op(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optio
                std::optional<Tensor> num_accepted_tokens, std::optional<Tensor> output_gate,
                std::optional<Tensor> norm_weight, double scale, double norm_eps, bool per_channel, bool use_qk_l2norm,
                int64_t layout, int64_t min_slot, int64_t tokens, int64_t gate_activation, int64_t variant, bool pdl,
-               bool early_state, double gate_lower_bound) {
+               bool early_state, double gate_lower_bound, std::optional<Tensor> output_scale) {
   decode(DecodeArgs{q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, cu_seqlens, num_accepted_tokens,
                     output_gate, norm_weight, scale, norm_eps, per_channel, use_qk_l2norm, layout, min_slot, tokens,
-                    gate_activation, variant, pdl, early_state, gate_lower_bound});
+                    gate_activation, variant, pdl, early_state, gate_lower_bound, output_scale});
 }
 
 // cudelta::conv_update: the causal-conv1d update before the step (ConvUpdateParams, launch.h).
@@ -676,14 +691,15 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
   // variant -1 = auto; pdl: programmatic dependent launch where the image is sm_90+ (CUDELTA_PDL,
   // read once in Python); early_state: the kernel before it in the stream is cudelta's conv update
   // of the same layer step (GdnDecodeParams::early_state); gate_lower_bound < 0: the raw gate's
-  // bounded form (GdnDecodeParams::gate_lower_bound), 0 none. The output goes to `out` (engines
-  // preallocate it; the Python API does too).
+  // bounded form (GdnDecodeParams::gate_lower_bound), 0 none; output_scale: the epilogue's FP8 output
+  // (a float32 [1], out then float8_e4m3fn). The output goes to `out` (engines preallocate it; the
+  // Python API does too).
   m.def(
       "decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
       "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, Tensor? cu_seqlens, "
       "Tensor? num_accepted_tokens, Tensor? output_gate, Tensor? norm_weight, float scale, float norm_eps, "
       "bool per_channel, bool use_qk_l2norm, int layout, int min_slot, int tokens, int gate_activation, "
-      "int variant, bool pdl, bool early_state=False, float gate_lower_bound=0.) -> ()");
+      "int variant, bool pdl, bool early_state=False, float gate_lower_bound=0., Tensor? output_scale=None) -> ()");
   // The causal-conv1d update before the step: x [tokens, dim], conv_state [slots, dim, state_len]
   // updated in place, out [tokens, dim] (may be x); one token a row, or cu_seqlens with
   // num_accepted_tokens (speculative decoding); silu or no activation.

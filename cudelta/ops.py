@@ -4,8 +4,8 @@ Both paths take one call value (cudelta._call.DecodeCall) and check arguments al
 (cudelta._contract.check_call and check_gates), so a call that is wrong fails the same way on a CPU
 and on a GPU. Every option runs in the kernels on CUDA tensors: several tokens per request with a
 checkpoint per token, the gated RMSNorm epilogue, vLLM's padded pool (whose 16-byte state accesses
-add one rule on CUDA, check_kernel_pool). The epilogue's FP8 output (output_scale) is rounded after
-the kernels, as torch ops: not fused yet.
+add one rule on CUDA, check_kernel_pool), and the epilogue's FP8 output (output_scale), rounded in
+the kernels' final store.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 
 from . import _native
 from ._call import DecodeCall
-from ._contract import (DEFAULT_NORM_EPS, INVALID_SLOT_RULES, LAYOUTS, check_call_overlap, check_decode_call,
+from ._contract import (DEFAULT_NORM_EPS, FP8_DTYPE, INVALID_SLOT_RULES, LAYOUTS, check_call_overlap, check_decode_call,
                         check_gates, check_kernel_pool, min_valid_slot)
-from .reference import decode_reference, static_fp8
+from .reference import decode_reference
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -39,8 +39,8 @@ def _rows(x: Optional[torch.Tensor], lead: int) -> Optional[torch.Tensor]:
 
 def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Optional[bool] = None,
                early_state: bool = False) -> None:
-    """The CUDA op on one call, writing `out` (v's shape and dtype) and the pool in place: the one place
-    where a call's value becomes the op's arguments. `variant` -1 is auto; `pdl` None takes
+    """The CUDA op on one call, writing `out` (v's shape and dtype; float8_e4m3fn with output_scale)
+    and the pool in place: the one place where a call's value becomes the op's arguments. `variant` -1 is auto; `pdl` None takes
     CUDELTA_PDL as read at load. Dense [N, T, ...] tokens travel as rows of tokens with T given.
     early_state: only right after cudelta's conv update of the same step (kernels/launch.h,
     GdnDecodeParams::early_state), when the state's loads may start before the conv ends."""
@@ -56,7 +56,7 @@ def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Opti
         call.use_qk_l2norm, LAYOUTS.index(call.layout), min_valid_slot(call.invalid_slot), T,
         _ACTIVATIONS[call.gate_activation] if epilogue else 0, variant,
         _native.status().pdl if pdl is None else pdl, early_state,
-        0.0 if call.gate_lower_bound is None else float(call.gate_lower_bound))
+        0.0 if call.gate_lower_bound is None else float(call.gate_lower_bound), call.output_scale)
 
 
 def _check(call: DecodeCall, overlap: bool = True) -> None:
@@ -73,31 +73,15 @@ def _decode(call: DecodeCall, early_state: bool = False) -> torch.Tensor:
         _native.notice_once(f"dtype:{q.dtype}", f"q dtype {q.dtype} is not supported by the CUDA kernel; "
                             "using the reference")
         return decode_reference(call)
-    if call.output_scale is not None:
-        # Not fused yet: the kernels write the epilogue's output in v's dtype, and the reference's own
-        # rounding (static_fp8) follows as torch ops, so both paths round alike. The op never sees the
-        # FP8 out, so every argument is checked here, once.
-        _check(call)
-        o = _run(call, st, torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device), early_state,
-                 checked=True)
-        quantized = static_fp8(o, call.output_scale)
-        return quantized if call.out is None else call.out.copy_(quantized)
-    out = torch.empty(call.v.shape, dtype=call.v.dtype, device=call.v.device) if call.out is None else call.out
-    return _run(call, st, out, early_state)
-
-
-def _run(call: DecodeCall, st: _native.NativeStatus, out: torch.Tensor, early_state: bool,
-         checked: bool = False) -> torch.Tensor:
-    """The kernels on a call of native dtypes, writing out (v's shape and dtype); checked: the
-    caller has run _check on it already."""
     compiling = torch.compiler.is_compiling()
     # Several tokens a request: the Python checks name a wrong shape before the rows of tokens are
     # formed from it (one token a request: the op checks, and the checks run on its refusal below).
     # Addresses are the op's to compare (overlap=False): it refuses a written tensor sharing memory
     # with a read one, and the except below names it.
-    if not checked and (call.multi_token or call.layout not in LAYOUTS or call.invalid_slot not in INVALID_SLOT_RULES
-                        or compiling):
+    if call.multi_token or call.layout not in LAYOUTS or call.invalid_slot not in INVALID_SLOT_RULES or compiling:
         _check(call, overlap=False)  # traced once under torch.compile: free at run time
+    dtype = call.v.dtype if call.output_scale is None else FP8_DTYPE
+    out = torch.empty(call.v.shape, dtype=dtype, device=call.v.device) if call.out is None else call.out
     if call.q.dim() == 4 and not _viewable(out):
         # The op writes a scratch buffer here: out's own addresses are compared before it is copied.
         if not compiling:
@@ -181,8 +165,7 @@ def gdn_decode(
     given. With output_scale, a float32 tensor of one element (vLLM's static per-tensor scale of an
     FP8 out_proj), o is returned as float8_e4m3fn: the epilogue's output, rounded to v's dtype, times
     1 / scale, clamped to +-448, rounded to e4m3 (vLLM's Qwen3.5 gated-norm kernel's order); out, if
-    given, is then float8_e4m3fn. On CUDA tensors that rounding runs as torch ops after the kernel
-    (not fused into it yet).
+    given, is then float8_e4m3fn. The kernels round it in their final store.
 
     Every option runs on CPU tensors (the reference) and CUDA tensors (the kernels). On CUDA tensors a
     padded pool's slots must lie a multiple of 16 bytes apart and start on 16 bytes (vLLM's pages do),

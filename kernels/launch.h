@@ -105,6 +105,9 @@ struct GdnDecodeParams {
   const void* norm_weight;
   DType norm_weight_dtype;
   float norm_eps;
+  // The epilogue's FP8 output: null, or a float32 [1] on the device (vLLM's static per-tensor scale);
+  // out is then e4m3 (store_out, mtp_common.cuh). Only with the epilogue.
+  const float* out_scale;
 
   // Whether the call takes the multi-token kernel: anything beyond one token read and written in
   // place at idx[n] without an epilogue.

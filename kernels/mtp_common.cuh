@@ -4,6 +4,7 @@
 // rules of the contract).
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -143,6 +144,50 @@ __device__ __forceinline__ float gated_rms_norm(const GdnDecodeParams& p, float 
   return o * rsqrtf(sumsq / static_cast<float>(p.V) + p.norm_eps) * w * gate_act(z, p.gate_activation);
 }
 
+// 1 / s rounded to nearest, as __frcp_rn computes it, without its slow path, which is a call: in the
+// resident kernel's token loop that call took ptxas from 128 registers to 32 (K = 256, fp32, kv;
+// 916 -> 2,228 bytes of spills), and hoisted out of it, another build from 128 to 64. __frcp_rn's fast
+// path (its sm_90a SASS) is this: MUFU.RCP and one FMA-refined step, for exponent fields 1-252; it
+// leaves the rest to the call. Here those are scaled by 2^+-64 into the range first (exact), and
+// zero, the infinities and NaN give IEEE's results. Past exponent 252, 1 / s is below 2^-125, where
+// the last scaling may round a subnormal a second time; any output times it is an e4m3 zero anyway.
+__device__ __forceinline__ float reciprocal_rn(float s) {
+  const uint32_t e = (__float_as_uint(s) >> 23) & 0xffu;
+  if (e == 0xffu) return isnan(s) ? s : copysignf(0.f, s);
+  if (s == 0.f) return copysignf(__int_as_float(0x7f800000), s);
+  const float scale = e == 0u ? 0x1p64f : (e > 252u ? 0x1p-64f : 1.f);
+  const float t = s * scale;
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t));
+  r = __fmaf_rn(r, -__fmaf_rn(t, r, -1.f), r);
+  return r * scale;
+}
+
+// The output stores of the kernels that may take the epilogue's FP8 output (p.out_scale): out is v's
+// dtype, or e4m3, in the order of vLLM's Qwen3.5 gated-norm kernel and of
+// cudelta.reference.static_fp8: rounded to v's dtype, times the correctly rounded 1 / scale
+// (reciprocal_rn; a zero stays a zero, whatever the scale), clamped to +-448 (a NaN stays NaN, as
+// torch's clamp keeps it), rounded to the nearest e4m3 value. The scale is read here, on the device,
+// so that a CUDA graph replays with its current value; with a plain load, which the compiler cannot
+// move above the stores before it (an __ldg it hoisted over the few-token kernel's token steps, when
+// that kernel still stored through here, and ptxas spilled there).
+__device__ __forceinline__ void store_out(const GdnDecodeParams& p, int64_t i, float y) {
+  if (p.out_scale == nullptr) {
+    store_f(p.out, p.dtype, i, y);
+    return;
+  }
+  float x = rounded(y, p.dtype);
+  x = x == 0.f ? x : x * reciprocal_rn(*p.out_scale);
+  x = x > 448.f ? 448.f : (x < -448.f ? -448.f : x);
+  static_cast<__nv_fp8_storage_t*>(p.out)[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+
+// A zero output (a row the contract zeroes): no scale to read, e4m3's zero is a zero byte.
+__device__ __forceinline__ void store_out_zero(const GdnDecodeParams& p, int64_t i) {
+  if (p.out_scale == nullptr) store_f(p.out, p.dtype, i, 0.f);
+  else static_cast<__nv_fp8_storage_t*>(p.out)[i] = 0;
+}
+
 // Block n's request in both multi-token kernels: its token rows [bos, bos + len) and the slot its
 // state starts from. Returns whether the block computes; where it does not, `zero_rows(first, end)`
 // (the kernel's own division of rows among its threads) has zeroed what the call's contract says:
@@ -203,7 +248,7 @@ __device__ __forceinline__ bool head_request_span(const GdnDecodeParams& p, int6
   const int V = static_cast<int>(p.V);
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t i = threadIdx.x; i < (end - first) * V; i += blockDim.x)
-      store_f(p.out, p.dtype, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V, 0.f);
+      store_out_zero(p, (first + i / V) * p.out_stride_n + hv * p.out_stride_h + i % V);
   };
   return request_span(p, n, zero_rows, bos, len, start);
 }

@@ -215,6 +215,8 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
     float z;
     if constexpr (TT <= 2) z = widen_bits(z_bits[t], p.z_dtype);
     else z = s_z[t][threadIdx.x];
+    // Never the FP8 output (few_token_call): store_out here made ptxas spill 8-12 bytes in the token
+    // steps (sm_90a fp32, sm_100 bf16).
     store_f(p.out, p.dtype, (bos + t) * p.out_stride_n + hv * p.out_stride_h + col,
             gated_rms_norm(p, s_o[t][threadIdx.x], total, w, z));
   }
@@ -227,7 +229,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 //     that fill at least 90% of the last, up to kFewMaxPairsPerSm pairs an SM;
 //   idx [N, 3..4], fp32 state: the same waves, from 90% of the SMs (a pair an SM) up to
 //     kFewMaxPairsPerSm4 pairs an SM.
-// Elsewhere the streaming kernel. H200, 16/32 heads (benchmarks/results-h200-mtp.md), µs, streaming
+// Elsewhere, and for the FP8 output (this kernel stores v's dtype only), the streaming kernel. H200, 16/32 heads (benchmarks/results-h200-mtp.md), µs, streaming
 // -> this kernel: T = 2 bf16 B=1 / 4 / 8 7.95 / 9.4 / 12.25 -> 7.4 / 8.45 / 11.8 (vLLM's op 8.65 /
 // 9.25 / 12.2), but past two pairs an SM slower: B=12 / 16 / 32 16.7 / 19.85 / 35.65 -> 19.1 / 20.75
 // / 37.7; fp32 B=4 / 8 / 32 / 128 12.6 / 19.2 / 64.05 / 225.25 -> 11.1 / 17.1 / 58.05 / 215 (vLLM's
@@ -243,7 +245,7 @@ template <typename ST>
 bool few_token_call(const GdnDecodeParams& p) {
   constexpr bool fp32 = std::is_same_v<ST, float>;
   if (p.idx_columns < 2 || p.idx_columns > (fp32 ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
-      p.V % 16 != 0 || p.V > kMaxOneRows)
+      p.V % 16 != 0 || p.V > kMaxOneRows || p.out_scale != nullptr)
     return false;
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p), wave = 2 * sms;
   const int64_t waves = (pairs + wave - 1) / wave;

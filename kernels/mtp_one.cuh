@@ -83,7 +83,7 @@ __device__ __forceinline__ void one_block_store(const GdnDecodeParams& p, const 
     for (int i = 0; i < warps; ++i) total += s_sumsq[i];
     o = gated_rms_norm(p, o, total, widen_bits(out.w_bits, p.norm_weight_dtype), widen_bits(out.z_bits, p.z_dtype));
   }
-  store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
+  store_out(p, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
 }
 
 template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1>
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW,
   const int64_t row0 = int64_t(g) * ROWS;
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t tok = first; tok < end; ++tok) {
-      for (int r = threadIdx.x % 32; r < ROWS; r += 32) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + row0 + r, 0.f);
+      for (int r = threadIdx.x % 32; r < ROWS; r += 32) store_out_zero(p, tok * p.out_stride_n + hv * p.out_stride_h + row0 + r);
     }
   };
   int64_t bos, len, start;
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW,
     for (unsigned i = 0; i < blocks * WPB; ++i) total += s_ss[i];
     const float o = gated_rms_norm(p, s_o[row0 + lane], total, widen_bits(w_bits, p.norm_weight_dtype),
                                    widen_bits(z_bits, p.z_dtype));
-    store_f(p.out, p.dtype, bos * p.out_stride_n + hv * p.out_stride_h + row0 + lane, o);
+    store_out(p, bos * p.out_stride_n + hv * p.out_stride_h + row0 + lane, o);
   }
 }
 
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
   for (int j = 0; j < PER; ++j) {
     const int v = lane + 32 * j;
     if (v < V) {
-      store_f(p.out, p.dtype, o_at + v,
+      store_f(p.out, p.dtype, o_at + v,  // never with the FP8 output: launch_vk_one takes another kernel
               gated_rms_norm(p, o[j], ss, widen_bits(w_bits[j], p.norm_weight_dtype), widen_bits(z_bits[j], p.z_dtype)));
     }
   }
@@ -290,6 +290,7 @@ dim3 one_warp_grid(const GdnDecodeParams& p) {
 
 template <int K, typename ST, int BW, int TPW, bool STREAM>
 int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
+  if (p.gate_activation > 0 && p.out_scale != nullptr) return cudaErrorInvalidValue;  // launch_vk_one's rule
   auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM>
                                 : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM>;
   int err = launch_decode(kernel, one_warp_grid<BW, TPW>(p), dim3(32), p, stream);
@@ -353,7 +354,8 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 //   SM (staged_min_blocks); at four, its plain or evict-first build from one pair an SM to sixteen
 //   was level with the block kernel or lost (B=16-64 up to +1.1%).
 // - Elsewhere the warp kernel's builds, and the separate epilogue (gated_rms_norm_kernel): every call
-//   without the epilogue, and with it below half a pair an SM on images without clusters (sm_80).
+//   without the epilogue, and with it below half a pair an SM on images without clusters (sm_80),
+//   but for the FP8 output, which takes the block kernel there (not timed).
 // Tried on the H200 and not kept: bf16 in two-warp cluster blocks (B=1-2 level to +1.6%) or in block
 // kernels of two-tile warps to eight pairs an SM (B=16 +3.5%); fp32 in clusters of 4-warp blocks of
 // 4 rows a warp (the decode alone's tile; B=1 worse than two warps of 8), in 32-warp block kernels at
@@ -363,6 +365,8 @@ template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
   const bool epilogue = p.gate_activation > 0;
+  // The separate epilogue (launch_vk_one_split with it, images without clusters) reads the outputs
+  // back from out in v's dtype: with the FP8 output (out_scale) those calls take the block kernel.
   // The one-warp grid holds requests on z: a call with more than it holds takes the block kernel,
   // whose grid holds them on x (launch_gdn_decode does not split multi-token calls).
   if (request_blocks(p) > kMaxGridYZ) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
@@ -374,12 +378,13 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
     if (epilogue && p.g_per_channel && pairs > 8 * sms) return launch_vk_one_staged<128, ST, false>(p, stream);
     if (epilogue && pairs > sms && pairs <= 16 * sms) return launch_vk_one_rows<128, ST, 8, true, 2>(p, stream);
     if (epilogue && !p.g_per_channel && pairs > 16 * sms) return launch_vk_one_staged<128, ST, false>(p, stream);
+    if (epilogue && p.out_scale != nullptr && pairs <= sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
     if (pairs <= sms) return launch_vk_one_split<128, ST, 4, 1, false>(p, stream);
     if (pairs <= 16 * sms) return launch_vk_one_split<128, ST, 8, 2, true>(p, stream);
     return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
   } else {
     if (pairs <= sms / 2 && one_cluster_fits<16, 1>(p)) return launch_vk_one_cluster<128, ST, 16, 1, true>(p, stream);
-    if (pairs <= sms / 2) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
+    if (pairs <= sms / 2 && !(epilogue && p.out_scale != nullptr)) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
     if (pairs <= 2 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
     if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
     if (epilogue && pairs <= 32 * sms) return launch_vk_one_rows<128, ST, 16, true, 2>(p, stream);

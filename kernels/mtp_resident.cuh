@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
 
   auto zero_rows = [&](int64_t first, int64_t end) {
     if (!writer) return;
-    for (int64_t tok = first; tok < end; ++tok) store_f(p.out, p.dtype, tok * p.out_stride_n + hv * p.out_stride_h + my_row, 0.f);
+    for (int64_t tok = first; tok < end; ++tok) store_out_zero(p, tok * p.out_stride_n + hv * p.out_stride_h + my_row);
   };
   int64_t bos, len, start;
   if (!request_span(p, n, zero_rows, bos, len, start)) return;
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(512) decode_mtp_kernel(const GdnDecodeParams p
       for (int i = 0; i < warps; ++i) total += slot_sums[i];
       o = gated_rms_norm(p, o, total, w, widen_bits(z_bits, p.z_dtype));
     }
-    if (writer) store_f(p.out, p.dtype, o_at, o);
+    if (writer) store_out(p, o_at, o);
     // The update, each row's u brought back from its lanes.
 #pragma unroll
     for (int a = 0; a < NV; ++a) {

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
 
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t i = threadIdx.x; i < (end - first) * rows; i += blockDim.x)
-      store_f(p.out, p.dtype, (first + i / rows) * p.out_stride_n + hv * p.out_stride_h + row0 + i % rows, 0.f);
+      store_out_zero(p, (first + i / rows) * p.out_stride_n + hv * p.out_stride_h + row0 + i % rows);
   };
   int64_t bos, len, start;
   // A cluster's blocks share the request, so they all return here or none does.
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
           } else if (writer) {
             s_o[t][my_row] = o;
           }
-        } else if (writer) {
+        } else if (writer) {  // no epilogue, so never the FP8 output (store_out)
           store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + my_row, o);
         }
 #pragma unroll
@@ -452,13 +452,13 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         if (i >= tg * rows) break;
         const int t = i / rows, v = row0 + i % rows;
         const float z = widen_bits(z_bits[j], p.z_dtype), w = widen_bits(w_bits[j], p.norm_weight_dtype);
-        store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
+        store_out(p, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
                 gated_rms_norm(p, s_o[t][v], sumsq(t), w, z));
       }
       for (int i = threadIdx.x + ZPT * blockDim.x; i < tg * rows; i += blockDim.x) {  // long passes on few warps
         const int t = i / rows, v = row0 + i % rows;
         const float z = load_f(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v);
-        store_f(p.out, p.dtype, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
+        store_out(p, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
                 gated_rms_norm(p, s_o[t][v], sumsq(t), load_f(p.norm_weight, p.norm_weight_dtype, v), z));
       }
     }

@@ -1,10 +1,12 @@
 """On a real GPU (marker `gpu`): the epilogue's FP8 output (output_scale, vLLM's Qwen3.5 static-FP8
-out_proj input) on CUDA tensors, where cudelta.ops rounds the kernels' output with the reference's
-static_fp8 (not fused yet). Each call runs twice from the same inputs and pool, with and without the
-scale: the FP8 output must be, byte for byte, static_fp8 of the unscaled output (which mtp_cases
-checks against the float64 loop), and the pool's whole allocation must be written alike; also at
-scales across the float range. Then the same under torch.compile(fullgraph=True) and in a CUDA
-graph whose scale changes between replays (a static scale is a tensor, read on the device)."""
+out_proj input), rounded in the kernels' final store (store_out, kernels/mtp_common.cuh). Each call
+runs twice from the same inputs and pool, with and without the scale: the FP8 output must be, byte
+for byte, cudelta.reference.static_fp8 of the unscaled output (which mtp_cases checks against the
+float64 loop), and the pool's whole allocation must be written alike; also at scales across the
+float range (1 / scale is kernels/mtp_common.cuh's reciprocal_rn there). Then the same under
+torch.compile(fullgraph=True) and in a CUDA graph whose scale changes between replays (a static
+scale is a tensor, read on the device), and the op's own refusals of an FP8 out without a scale
+and a scale without the epilogue."""
 
 import sys
 from pathlib import Path
@@ -12,6 +14,9 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from cudelta._call import DecodeCall  # noqa: E402
+from cudelta.ops import run_kernel  # noqa: E402
 
 from test_gdn_decode_gpu import native_loaded  # noqa: E402, F401  (autouse, per module)
 
@@ -75,3 +80,36 @@ def test_a_cuda_graph_reads_the_scale_at_each_replay():
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), value
         assert torch.equal(static.storage, eager.storage)
+
+
+# (what the op is given, its message): run_kernel hands the op a call the Python checks never saw.
+OP_REFUSALS = [
+    ("an FP8 out without the scale", dict(), "fp8", r"out must have v's dtype bfloat16, got float8_e4m3fn \(an FP8 "
+     r"out needs output_scale\)"),
+    ("a v-dtype out with the scale", dict(output_scale="scale"), "v", r"out must be float8_e4m3fn with output_scale "
+     r"\(the FP8 output\), got bfloat16"),
+    ("the scale without the epilogue", dict(output_scale="scale", output_gate=None, norm_weight=None,
+                                           gate_activation=None, norm_eps=None), "fp8",
+     r"output_scale quantizes the gated RMSNorm epilogue's output to FP8: pass output_gate and norm_weight too"),
+    ("a bf16 scale", dict(output_scale="bf16 scale"), "fp8",
+     r"output_scale must be a float32 tensor of one element, got bfloat16 \[1\]"),
+]
+
+
+@pytest.mark.parametrize("what,options,out_dtype,message", OP_REFUSALS, ids=[r[0] for r in OP_REFUSALS])
+def test_the_op_refuses_a_bad_fp8_output_by_name_and_writes_nothing(what, options, out_dtype, message):
+    case = mc.Case(tokens="T2", slots="ckpt", seed=930)
+    step = mc.build(case, DEVICE)
+    before = step.storage.clone()
+    args, kw = mc.call_args(case, step.t, None)
+    kw.pop("out")
+    scales = {"scale": torch.tensor([0.1], device=DEVICE),
+              "bf16 scale": torch.tensor([0.1], device=DEVICE, dtype=torch.bfloat16)}
+    kw.update({k: scales[v] if k == "output_scale" else v for k, v in options.items()})
+    q, k, v, g, beta = args
+    call = DecodeCall(case.kind, q, k, v, g, beta, step.state, step.t["idx"], **kw)
+    out = torch.zeros(v.shape, device=DEVICE, dtype=torch.float8_e4m3fn if out_dtype == "fp8" else v.dtype)
+    with pytest.raises(RuntimeError, match=message):
+        run_kernel(call, out)
+    torch.cuda.synchronize()
+    assert torch.equal(step.storage, before) and not out.view(torch.uint8).any()
