@@ -16,8 +16,8 @@ import torch
 
 from . import _native
 from ._call import DecodeCall
-from ._contract import (DEFAULT_NORM_EPS, FP8_DTYPE, INVALID_SLOT_RULES, LAYOUTS, check_call_overlap, check_decode_call,
-                        check_gates, check_kernel_pool, min_valid_slot)
+from ._contract import (DEFAULT_NORM_EPS, FP8_DTYPE, INVALID_SLOT_RULES, LAYOUTS, check_call_overlap,
+                        check_decode_call, check_gates, check_kernel_pool, min_valid_slot)
 from .reference import decode_reference
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -40,8 +40,9 @@ def _rows(x: Optional[torch.Tensor], lead: int) -> Optional[torch.Tensor]:
 def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Optional[bool] = None,
                early_state: bool = False) -> None:
     """The CUDA op on one call, writing `out` (v's shape and dtype; float8_e4m3fn with output_scale)
-    and the pool in place: the one place where a call's value becomes the op's arguments. `variant` -1 is auto; `pdl` None takes
-    CUDELTA_PDL as read at load. Dense [N, T, ...] tokens travel as rows of tokens with T given.
+    and the pool in place: the one place where a call's value becomes the op's arguments. `variant`
+    -1 is auto; `pdl` None takes CUDELTA_PDL as read at load. Dense [N, T, ...] tokens travel as rows
+    of tokens with T given.
     early_state: only right after cudelta's conv update of the same step (kernels/launch.h,
     GdnDecodeParams::early_state), when the state's loads may start before the conv ends."""
     lead = 2 if call.q.dim() == 4 else 1
