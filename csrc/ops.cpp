@@ -268,7 +268,8 @@ void decode(const DecodeArgs& x) {
   for (auto [t, name] : {std::pair<const std::optional<Tensor>&, const char*>{x.g, "g"}, {x.beta, "beta"},
                          {x.a, "a"}, {x.b, "b"}, {x.A_log, "A_log"}, {x.dt_bias, "dt_bias"},
                          {x.cu_seqlens, "cu_seqlens"}, {x.num_accepted_tokens, "num_accepted_tokens"},
-                         {x.output_gate, "output_gate"}, {x.norm_weight, "norm_weight"}, {x.output_scale, "output_scale"}}) {
+                         {x.output_gate, "output_gate"}, {x.norm_weight, "norm_weight"},
+                         {x.output_scale, "output_scale"}}) {
     if (t.has_value()) check_cuda(op, *t, name, device);
   }
   // Rows: one per request, or, with several tokens a request, one per token (cu_seqlens or
