@@ -591,10 +591,11 @@ VLLM_CALLS = [Case(tokens=tokens, state=state, seed=400 + i) for i, (tokens, sta
     [("single", "bf16"), ("T2", "fp32"), ("T4", "bf16"), ("T8", "fp32"), ("varlen", "bf16"), ("varlen", "fp32"),
      ("varlen9", "bf16")])]
 
-# The epilogue's FP8 output (output_scale): the kernels that write the epilogue, one token at a small
-# grid (the one-warp grid's clusters) and a large one (the block kernel), vLLM's MTP call (flat
-# tokens, checkpoints, accepted tokens, its pages), the few-token and resident kernels' forms, the kv
-# layout, KDA, fp32 state, fp16 io and K = V = 64.
+# The epilogue's FP8 output (output_scale), rounded in each kernel's final store (store_out): one
+# token at a small grid (the one-warp grid's clusters) and a large one (the block kernel), vLLM's MTP
+# call (flat tokens, checkpoints, accepted tokens, its pages: the streaming kernel), the few-token
+# kernel's form (which FP8 calls leave to the streaming kernel), the kv layout (the resident kernel),
+# KDA, fp32 state, fp16 io and K = V = 64.
 FP8_OUTPUT = [
     Case(tokens="single", slots="final", pool="contiguous", N=1, H=16, seed=900),
     Case(tokens="single", slots="final", pool="contiguous", N=64, H=16, state="fp32", seed=901),
