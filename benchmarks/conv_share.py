@@ -358,8 +358,6 @@ def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
 
 
 def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict, own_conv=None, own_one_call=None) -> None:
-    import torch
-
     cc = ConvCell(state, B, T, seed=1000 * B + T)
     c = cc.step
     calls = cell_calls(cc, conv, steps, own_conv, own_one_call)
@@ -369,24 +367,16 @@ def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict, own_co
     # Times: slot sets over >= 256 MiB of recurrent state, a one-element kernel between calls.
     pages = cc.pool(1 + c.sets * B * T, random_bytes=False)
     sets = c.slot_sets(c.sets)
-    n_calls = max(mb.MIN_CALLS, c.sets)
-    between = torch.zeros(1, device=mb.DEVICE)
-    gap, _ = mb.time_call(lambda i: between.add_(1), c.sets, n_calls)
+    clock = mb.SeparatedClock(c.sets)
     line = []
     for name, call in calls.items():
         if name not in checked:
             continue
-
-        def one(i, call=call):
-            call(pages, sets[i])
-            between.add_(1)
-
         try:
-            us, mode = mb.time_call(one, c.sets, n_calls)
+            us, mode = clock.time(lambda i, call=call: call(pages, sets[i]))
         except Exception as exc:  # noqa: BLE001
             result["skips"].append(dict(state=state, B=B, T=T, impl=name, reason=mb.short(exc)))
             continue
-        us = max(us - gap, 0.0)
         result["times"].append(dict(state=state, B=B, T=T, impl=name, us=us, mode=mode))
         line.append(f"{name} {us:.1f}")
     del pages

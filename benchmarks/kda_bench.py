@@ -392,26 +392,17 @@ def check_cell(cell: Cell, calls: dict, reference, skip, result: dict) -> dict:
 
 def time_cell(cell: Cell, checked: dict, skip, result: dict, separate: bool) -> str:
     """Each checked implementation on a pool whose slot sets cycle over >= 256 MiB of pages (freed
-    on return); returns the progress line. separate: a one-element kernel after every call, its own
-    time subtracted, so that no call overlaps the one before it (PDL), as none can in a model."""
+    on return), by mtp_bench's SeparatedClock; returns the progress line."""
     pool = cell.pool(1 + cell.sets * cell.B, random_bytes=False)
     sets = cell.slot_sets(cell.sets)
-    n_calls = max(mb.MIN_CALLS, cell.sets)
-    between = cell.torch.zeros(1, device=mb.DEVICE)
-    gap, _ = mb.time_call(lambda i: between.add_(1), cell.sets, n_calls) if separate else (0.0, "")
-    line = [f"{cell.sets} sets, {n_calls} calls{f', {gap:.1f} µs between subtracted' if separate else ''}:"]
+    clock = mb.SeparatedClock(cell.sets, separate)
+    line = [clock.describe() + ":"]
     for name, call in checked.items():
-        def step(i, call=call):
-            call(pool, sets[i])
-            if separate:
-                between.add_(1)
-
         try:
-            us, mode = mb.time_call(step, cell.sets, n_calls)
+            us, mode = clock.time(lambda i, call=call: call(pool, sets[i]))
         except Exception as exc:  # noqa: BLE001
             skip(name, mb.short(exc))
             continue
-        us = max(us - gap, 0.0)
         result["times"].append(dict(state=head_key(cell.H), B=cell.B, T=1, impl=name, us=us, mode=mode))
         line.append(f"{name} {us:.1f}")
     return " ".join(line)

@@ -75,17 +75,9 @@ def main(argv=None) -> int:
             cell = kb.Cell(H, B, seed=1000 * H + B)
             pool = cell.pool(1 + cell.sets * B, random_bytes=False)
             sets = cell.slot_sets(cell.sets)
-            n_calls = max(mb.MIN_CALLS, cell.sets)
-            between = torch.zeros(1, device="cuda")
-            gap, _ = mb.time_call(lambda i: between.add_(1), cell.sets, n_calls)
-            row = {}
-            for name, call in parts(cell, op).items():
-                def timed(i, call=call):
-                    call(pool, sets[i])
-                    between.add_(1)
-
-                us, _ = mb.time_call(timed, cell.sets, n_calls)
-                row[name] = max(us - gap, 0.0)
+            clock = mb.SeparatedClock(cell.sets)
+            row = {name: clock.time(lambda i, call=call: call(pool, sets[i]))[0]
+                   for name, call in parts(cell, op).items()}
             print(f"| {B} | " + " | ".join(f"{row[c]:.1f}" if c in row else "—" for c in COLUMNS) + " |", flush=True)
             del pool
             torch.cuda.empty_cache()

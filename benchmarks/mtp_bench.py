@@ -498,6 +498,33 @@ def time_call(fn, sets: int, calls: int) -> tuple[float, str]:
     return best, "eager"
 
 
+class SeparatedClock:
+    """Times calls that cycle over `sets` slot sets, max(MIN_CALLS, sets) calls a graph (time_call).
+    separate: a one-element kernel after every call, its own time (a graph of it alone) subtracted, so
+    that no call overlaps the one before it (programmatic dependent launch), as it cannot in a model
+    where other layers' kernels run in between. The one place the benchmarks spell that method."""
+
+    def __init__(self, sets: int, separate: bool = True):
+        import torch
+
+        self.sets, self.calls, self.separate = sets, max(MIN_CALLS, sets), separate
+        self.between = torch.zeros(1, device=DEVICE)
+        self.gap = time_call(lambda i: self.between.add_(1), sets, self.calls)[0] if separate else 0.0
+
+    def time(self, call) -> tuple[float, str]:
+        """(µs per call(i), the gap subtracted and never below 0; time_call's mode)."""
+        def step(i):
+            call(i)
+            if self.separate:
+                self.between.add_(1)
+
+        us, mode = time_call(step, self.sets, self.calls)
+        return max(us - self.gap, 0.0), mode
+
+    def describe(self) -> str:
+        return f"{self.sets} sets, {self.calls} calls" + (f", {self.gap:.1f} µs between subtracted" if self.separate else "")
+
+
 def copy_us(cell_moved: int) -> float:
     """A device copy moving cell_moved bytes (half of them copied), capped and scaled; sets of
     source and destination cycling over >= 256 MiB."""
@@ -549,27 +576,17 @@ def check_cell(cell: Cell, calls: dict, skip, result: dict) -> dict:
 
 def time_cell(cell: Cell, checked: dict, skip, result: dict, separate: bool) -> str:
     """Each checked implementation on a pool whose slot sets cycle over >= 256 MiB (freed on
-    return); returns the progress line. separate: a one-element kernel after every call, its own
-    time (a graph of it alone) subtracted, so that no call overlaps the one before it (programmatic
-    dependent launch), as it cannot in a model where other layers' kernels run in between."""
+    return), by SeparatedClock; returns the progress line."""
     pages, pool = cell.pool(1 + cell.sets * cell.B * cell.T, random_bytes=False)
     sets = cell.slot_sets(cell.sets)
-    n_calls = max(MIN_CALLS, cell.sets)
-    between = cell.torch.zeros(1, device=DEVICE)
-    gap, _ = time_call(lambda i: between.add_(1), cell.sets, n_calls) if separate else (0.0, "")
-    line = [f"{cell.sets} sets, {n_calls} calls{f', {gap:.1f} µs between subtracted' if separate else ''}:"]
+    clock = SeparatedClock(cell.sets, separate)
+    line = [clock.describe() + ":"]
     for name, call in checked.items():
-        def step(i, call=call):
-            call(pool, sets[i])
-            if separate:
-                between.add_(1)
-
         try:
-            us, mode = time_call(step, cell.sets, n_calls)
+            us, mode = clock.time(lambda i, call=call: call(pool, sets[i]))
         except Exception as exc:  # noqa: BLE001
             skip(name, short(exc))
             continue
-        us = max(us - gap, 0.0)
         result["times"].append(dict(state=cell.state_name, B=cell.B, T=cell.T, impl=name, us=us, mode=mode))
         line.append(f"{name} {us:.1f}")
     return " ".join(line)

@@ -102,17 +102,9 @@ def run(state: str, B: int) -> dict:
     bench.empty_cache()
     _, pool = cell.pool(1 + cell.sets * B, random_bytes=False)
     sets = cell.slot_sets(cell.sets)
-    n_calls = max(bench.MIN_CALLS, cell.sets)
-    between = torch.zeros(1, device=bench.DEVICE)
-    gap, _ = bench.time_call(lambda i: between.add_(1), cell.sets, n_calls)
-    us, timed = {}, calls(cell)
-    for name, call in timed.items():
-        def step(i, call=call):
-            call(pool, sets[i])
-            between.add_(1)
-
-        us[name] = round(bench.time_call(step, cell.sets, n_calls)[0] - gap, 1)
-    row = dict(state=state, B=B, us=us, kernels=kernel_times(timed["compat"], pool, sets, between))
+    clock, timed = bench.SeparatedClock(cell.sets), calls(cell)
+    us = {name: round(clock.time(lambda i, call=call: call(pool, sets[i]))[0], 1) for name, call in timed.items()}
+    row = dict(state=state, B=B, us=us, kernels=kernel_times(timed["compat"], pool, sets, clock.between))
     del pool, sets
     torch.cuda.empty_cache()
     return row

@@ -109,7 +109,6 @@ def check_step(cell, step) -> None:
 
 
 def run(state: str, B: int, T: int, block: int = MOVER_BLOCK, warps: int = MOVER_WARPS) -> dict:
-    import torch
     from cudelta.vllm_compat import fused_gdn_decode_post_conv_mtp
 
     cell = bench.Cell(state, B, T, seed=1000 * B + T)
@@ -122,15 +121,10 @@ def run(state: str, B: int, T: int, block: int = MOVER_BLOCK, warps: int = MOVER
     _, pool = cell.pool(1 + cell.sets * B * T, random_bytes=False)
     sets = cell.slot_sets(cell.sets)
     starts = [start_slots(s, cell.acc) for s in sets]
-    n_calls = max(bench.MIN_CALLS, cell.sets)
-    between = torch.zeros(1, device=bench.DEVICE)
-    gap, _ = bench.time_call(lambda i: between.add_(1), cell.sets, n_calls)
+    clock = bench.SeparatedClock(cell.sets)
 
     def timed(fn):
-        def call(i):
-            fn(i)
-            between.add_(1)
-        return round(max(bench.time_call(call, cell.sets, n_calls)[0] - gap, 0.0), 1)
+        return round(clock.time(fn)[0], 1)
 
     us = {"cudelta": timed(lambda i: step(pool, sets[i])), "mover": timed(lambda i: fan_out(pool, sets[i], starts[i]))}
     del pool, sets, starts
