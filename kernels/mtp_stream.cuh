@@ -551,7 +551,9 @@ constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, fl
 // <= SMs / 4 at V = 128 (16/32 heads at B = 1, 4/8 heads at B <= 4). There the 8-row grid gives a
 // scheduler one or two warps of 8 rows (4/8 heads, B = 1: 32 blocks of 4 warps); vLLM 0.34's op runs
 // 32 blocks of 8 warps of 4 rows (its machine code: benchmarks/results-vllm-0.34-surface.md).
-// Not yet timed: an A/B on a GPU decides whether the rule stays.
+// H200, main's 8-row grid -> this build, µs: 4/8 heads B=1 T=4 / 8 bf16 8.0 / 11.7 -> 7.1 / 10.0, fp32
+// 8.4 / 12.4 -> 7.6 / 10.6; 16/32 B=1 fp32 T=4 / 8 10.6 / 15.0 -> 9.6 / 14.3; no cell of the rule
+// slower (benchmarks/results-h200-small-grid.md).
 template <bool VK, int K, typename ST>
 bool short_chunk_launch(const GdnDecodeParams& p) {
   constexpr int block_rows = kStreamShortRows * kStreamShortWarps;

@@ -71,7 +71,7 @@ def few_cluster_blocks(pairs: int, sms: int, fp32: bool, columns: int, epilogue:
     """kernels/mtp_few.cuh's few_cluster_blocks on an sm_90+ image: the blocks of a cluster a head's
     rows take in the few-token kernel (1: no cluster)."""
     def rows(blocks: int) -> int:  # a warp's, in a block of the cluster
-        return 4 if blocks == 4 else 16 if fp32 else 8
+        return (4 if blocks == 4 else 16) if fp32 else 8
 
     if not epilogue or columns != 2:
         return 1
