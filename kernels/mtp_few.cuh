@@ -275,17 +275,18 @@ int launch_vk_few_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
 // 2 7.4 / 7.6 -> 6.5 / 7.0 (vLLM's op 8.6 / 8.75), fp32 8.45 / 9.1 -> 7.5 / 8.65 (9.8 / 10.15); more
 // blocks than the SMs lose (B=4 at 2 a pair, bf16 / fp32 8.4 / 11.0 -> 8.8 / 11.6), and 8 a pair at
 // B=1 gains less than 4 (bf16 6.5, fp32 7.7; benchmarks/results-h200-mtp.md).
-// A warp's rows in the clusters' blocks: those of launch_vk_few's blocks where pairs fit the SMs once.
-template <typename ST>
-constexpr int kFewClusterWarpRows = std::is_same_v<ST, float> ? kFewRows : 8;
+// A warp's rows in the clusters' blocks: an fp32 state's 4 in clusters of 4 (8-warp blocks at V =
+// 128, vLLM 0.34's geometry), else those of launch_vk_few's blocks where pairs fit the SMs once. H200,
+// T = 2, 16 -> 4 rows, µs: fp32 4/8 heads B=1 / 4 6.7 / 7.4 -> 5.9 / 6.8, 16/32 B=1 7.5 -> 6.9; a
+// bf16 state's 8 -> 4 lost (4/8 B=4 6.5 -> 6.7, 16/32 B=1 6.5 -> 6.7; benchmarks/results-h200-small-grid.md).
+template <typename ST, int CL>
+constexpr int kFewClusterWarpRows = std::is_same_v<ST, float> ? (CL == 4 ? 4 : kFewRows) : 8;
 template <typename ST>
 int few_cluster_blocks(const GdnDecodeParams& p) {
-  constexpr int rows = kFewClusterWarpRows<ST>;
   if (!p.clusters || p.gate_activation <= 0 || p.idx_columns != 2) return 1;
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
-  for (const int blocks : {4, 2}) {
-    if (pairs * blocks <= sms && p.V % (blocks * rows) == 0) return blocks;
-  }
+  if (pairs * 4 <= sms && p.V % (4 * kFewClusterWarpRows<ST, 4>) == 0) return 4;
+  if (pairs * 2 <= sms && p.V % (2 * kFewClusterWarpRows<ST, 2>) == 0) return 2;
   return 1;
 }
 
@@ -295,8 +296,8 @@ int few_cluster_blocks(const GdnDecodeParams& p) {
 template <typename ST>
 int launch_vk_few(const GdnDecodeParams& p, cudaStream_t stream) {
   switch (few_cluster_blocks<ST>(p)) {
-    case 4: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST>, 2, 4>(p, stream);
-    case 2: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST>, 2, 2>(p, stream);
+    case 4: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST, 4>, 2, 4>(p, stream);
+    case 2: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST, 2>, 2, 2>(p, stream);
     default: break;
   }
   if constexpr (std::is_same_v<ST, float>) {

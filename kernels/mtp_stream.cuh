@@ -29,19 +29,24 @@ constexpr int kStreamLongTokens = 16;
 // heads: bf16 11-46% slower, fp32 -9% to +12%), and ptxas filled the 128 registers either way.
 constexpr int kStreamRows = 8;
 
-template <bool VK, int K, typename ST>
-using StreamShape = MtpShape<VK, K, ST, kStreamRows>;
+// The short-chunk build: 4 rows a chunk, in blocks of 8 warps, where that grid fits the SMs once
+// (launch_mtp_stream): vLLM 0.34's geometry at small grids, two warps a scheduler.
+constexpr int kStreamShortRows = 4;
+constexpr int kStreamShortWarps = 8;
 
-template <bool VK, int K, typename ST>
+template <bool VK, int K, typename ST, int R = kStreamRows>
+using StreamShape = MtpShape<VK, K, ST, R>;
+
+template <bool VK, int K, typename ST, int R = kStreamRows>
 struct RawTile {
-  using Sh = StreamShape<VK, K, ST>;
+  using Sh = StreamShape<VK, K, ST, R>;
   typename Chunk<ST>::Raw r[VK ? Sh::NV : Sh::NK][Sh::CPR];
 };
 
 // 16-byte units of a chunk a lane holds, and the ring: kStreamRing chunks a warp, or as many as the
 // warp streams where fewer (the launch sizes the block's dynamic shared memory by it).
-template <bool VK, int K, typename ST>
-constexpr int kStreamChunkRaws = (VK ? StreamShape<VK, K, ST>::NV : StreamShape<VK, K, ST>::NK) * StreamShape<VK, K, ST>::CPR;
+template <bool VK, int K, typename ST, int R = kStreamRows>
+constexpr int kStreamChunkRaws = (VK ? StreamShape<VK, K, ST, R>::NV : StreamShape<VK, K, ST, R>::NK) * StreamShape<VK, K, ST, R>::CPR;
 constexpr int kStreamRing = 3;
 // The ring's bytes a block at most, beside the kernel's static buffers (K = 256 fp32: 16 warps of
 // 8 KB chunks take one slot each).
@@ -60,10 +65,10 @@ constexpr int kStreamMaxV = K <= 128 ? 128 : 256;
 // A chunk's raw state in shared memory, lane-interleaved (element j of lane l at j * 32 + l, so a
 // warp's 16-byte accesses cover 512 contiguous bytes: no bank conflicts), copied asynchronously by
 // the lane that reads it back.
-template <bool VK, int K, typename ST>
+template <bool VK, int K, typename ST, int R = kStreamRows>
 __device__ __forceinline__ void raw_copy(const GdnDecodeParams& p, const ST* S, int v0, int lane,
                                          typename Chunk<ST>::Raw* slot) {
-  using Sh = StreamShape<VK, K, ST>;
+  using Sh = StreamShape<VK, K, ST, R>;
   using Raw = typename Chunk<ST>::Raw;
   if constexpr (VK) {
 #pragma unroll
@@ -82,9 +87,9 @@ __device__ __forceinline__ void raw_copy(const GdnDecodeParams& p, const ST* S, 
   }
 }
 
-template <bool VK, int K, typename ST>
-__device__ __forceinline__ void raw_read(const typename Chunk<ST>::Raw* slot, int lane, RawTile<VK, K, ST>& t) {
-  using Sh = StreamShape<VK, K, ST>;
+template <bool VK, int K, typename ST, int R = kStreamRows>
+__device__ __forceinline__ void raw_read(const typename Chunk<ST>::Raw* slot, int lane, RawTile<VK, K, ST, R>& t) {
+  using Sh = StreamShape<VK, K, ST, R>;
   constexpr int A = VK ? Sh::NV : Sh::NK;
 #pragma unroll
   for (int a = 0; a < A; ++a) {
@@ -93,10 +98,10 @@ __device__ __forceinline__ void raw_read(const typename Chunk<ST>::Raw* slot, in
   }
 }
 
-template <bool VK, int K, typename ST>
-__device__ __forceinline__ void raw_widen(const RawTile<VK, K, ST>& t,
-                                          float (&h)[StreamShape<VK, K, ST>::NV][StreamShape<VK, K, ST>::NK]) {
-  using Sh = StreamShape<VK, K, ST>;
+template <bool VK, int K, typename ST, int R = kStreamRows>
+__device__ __forceinline__ void raw_widen(const RawTile<VK, K, ST, R>& t,
+                                          float (&h)[StreamShape<VK, K, ST, R>::NV][StreamShape<VK, K, ST, R>::NK]) {
+  using Sh = StreamShape<VK, K, ST, R>;
   using C = Chunk<ST>;
   constexpr int E = Sh::E;
   if constexpr (VK) {
@@ -140,11 +145,12 @@ __host__ __device__ constexpr bool late_epilogue_sums() {
 
 // STAGE_FIRST: the first pass's staging loads go out before the state's copies, not after
 // (kStreamStageFirstBuild: which calls take this build). TS: the tokens a pass stages
-// (kStreamTokens, or kStreamLongTokens).
-template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens>
+// (kStreamTokens, or kStreamLongTokens). R: rows a chunk (kStreamRows, or kStreamShortRows).
+template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens,
+          int R = kStreamRows>
 __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
-  using Sh = StreamShape<VK, K, ST>;
-  constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV, R = kStreamRows;
+  using Sh = StreamShape<VK, K, ST, R>;
+  constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV;
   static_assert(TS == kStreamTokens || (TS == kStreamLongTokens && K <= 128), "the long pass's staging fits 48 KB at K <= 128");
   static_assert(NV <= LPR && (NV & (NV - 1)) == 0, "one row a lane after the butterfly");
   // The staged tokens: k and q scaled (l2-normalised, q times the attention scale), the per-channel
@@ -153,7 +159,7 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   __shared__ float s_beta[TS], s_qk[TS], s_decay[TS];
   // The epilogue's sums of squares a (token, row chunk), added in a fixed order: outputs do not
   // depend on which warp finished first.
-  __shared__ float s_ss[TS][kStreamMaxV<K> / kStreamRows];
+  __shared__ float s_ss[TS][kStreamMaxV<K> / R];
   __shared__ int64_t s_dst[TS];
   __shared__ float s_o[TS][kStreamMaxV<K>], s_v[TS][kStreamMaxV<K>];
   pdl_wait_early(p);
@@ -192,12 +198,12 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   // (STAGE_FIRST) right after a warp's first staging loads.
   using Raw = typename Chunk<ST>::Raw;
   extern __shared__ __align__(16) unsigned char s_ring_bytes[];
-  const int depth = stream_ring_depth(chunks, warps, kStreamChunkRaws<VK, K, ST> * 32 * 16), mine_chunks = (chunks - warp + warps - 1) / warps;
-  constexpr int kSlotRaws = kStreamChunkRaws<VK, K, ST> * 32;
+  const int depth = stream_ring_depth(chunks, warps, kStreamChunkRaws<VK, K, ST, R> * 32 * 16), mine_chunks = (chunks - warp + warps - 1) / warps;
+  constexpr int kSlotRaws = kStreamChunkRaws<VK, K, ST, R> * 32;
   Raw* const ring = reinterpret_cast<Raw*>(s_ring_bytes) + warp * depth * kSlotRaws;
   // The warp's i-th chunk into ring slot `slot`; first: its first chunk (c0 + warp).
   auto copy_chunk = [&](int first, int i, int slot) {
-    raw_copy<VK, K, ST>(p, src, (first + i * warps) * R, lane, ring + slot * kSlotRaws);
+    raw_copy<VK, K, ST, R>(p, src, (first + i * warps) * R, lane, ring + slot * kSlotRaws);
   };
   auto fetch = [&](int i) {
     if (i < mine_chunks) copy_chunk(c0 + warp, i, i % depth);
@@ -332,9 +338,9 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
         if (depth >= 3) cp_async_wait<2>();
         else if (depth == 2) cp_async_wait<1>();
         else cp_async_wait<0>();
-        RawTile<VK, K, ST> raw;
-        raw_read<VK, K, ST>(ring + (i % depth) * kSlotRaws, lane, raw);
-        raw_widen<VK, K, ST>(raw, hs);
+        RawTile<VK, K, ST, R> raw;
+        raw_read<VK, K, ST, R>(ring + (i % depth) * kSlotRaws, lane, raw);
+        raw_widen<VK, K, ST, R>(raw, hs);
       }
       // The slot is free once its values are in registers (the widening waited for them; in-order
       // issue puts the copy after it): the chunk `depth` ahead goes in.
@@ -539,8 +545,41 @@ constexpr int kStreamStageFirstSmWarps = 32;
 template <bool VK, int K, typename ST>
 constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, float>;
 
+// The short-chunk build: kStreamShortRows rows a chunk, a warp a chunk in blocks of
+// kStreamShortWarps, the head's rows in V / 32 row groups (a cluster with the epilogue), where those
+// blocks fit the SMs once: GDN in vLLM's layout at K = 128, a pass of kStreamTokens, requests x heads
+// <= SMs / 4 at V = 128 (16/32 heads at B = 1, 4/8 heads at B <= 4). There the 8-row grid gives a
+// scheduler one or two warps of 8 rows (4/8 heads, B = 1: 32 blocks of 4 warps); vLLM 0.34's op runs
+// 32 blocks of 8 warps of 4 rows (its machine code: benchmarks/results-vllm-0.34-surface.md).
+// H200, main's 8-row grid -> this build, µs: 4/8 heads B=1 T=4 / 8 bf16 8.0 / 11.7 -> 7.1 / 10.0, fp32
+// 8.4 / 12.4 -> 7.6 / 10.6; 16/32 B=1 fp32 T=4 / 8 10.6 / 15.0 -> 9.6 / 14.3; no cell of the rule
+// slower (benchmarks/results-h200-small-grid.md).
+template <bool VK, int K, typename ST>
+bool short_chunk_launch(const GdnDecodeParams& p) {
+  constexpr int block_rows = kStreamShortRows * kStreamShortWarps;
+  if (p.g_per_channel || p.V % block_rows != 0 || p.V > kStreamMaxV<K>) return false;
+  const int64_t groups = p.V / block_rows;
+  if (groups > kMtpMaxClusterGroups || (groups > 1 && p.gate_activation > 0 && !p.clusters)) return false;
+  return p.N * p.HV * groups <= rule_sms(p);
+}
+
+template <bool VK, int K, typename ST>
+int launch_mtp_stream_short(const GdnDecodeParams& p, cudaStream_t stream) {
+  constexpr int R = kStreamShortRows, W = kStreamShortWarps;
+  auto kernel = decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R>;
+  const unsigned groups = static_cast<unsigned>(p.V / (R * W));
+  const int chunk_bytes = kStreamChunkRaws<VK, K, ST, R> * 32 * 16;
+  const size_t ring = size_t(W) * stream_ring_depth(W, W, chunk_bytes) * chunk_bytes;
+  const dim3 grid = request_head_grid(p, groups), block(W * 32), cluster(1, 1, p.gate_activation > 0 ? groups : 1u);
+  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R>>(p.device, ring)) return err;
+  return launch_decode(kernel, grid, block, p, stream, ring, cluster);
+}
+
 template <bool VK, int K, typename ST, int TS = kStreamTokens>
 int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
+  if constexpr (VK && K == 128 && TS == kStreamTokens) {
+    if (short_chunk_launch<VK, K, ST>(p)) return launch_mtp_stream_short<VK, K, ST>(p, stream);
+  }
   auto kernel = p.g_per_channel ? decode_mtp_stream_kernel<VK, K, ST, true, false, TS> : decode_mtp_stream_kernel<VK, K, ST, false, false, TS>;
   const int64_t sms = rule_sms(p);
   const int head_chunks = static_cast<int>(p.V / kStreamRows), chunk_bytes = kStreamChunkRaws<VK, K, ST> * 32 * 16;

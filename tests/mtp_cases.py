@@ -70,10 +70,12 @@ def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -
 def few_cluster_blocks(pairs: int, sms: int, fp32: bool, columns: int, epilogue: bool, V: int = 128) -> int:
     """kernels/mtp_few.cuh's few_cluster_blocks on an sm_90+ image: the blocks of a cluster a head's
     rows take in the few-token kernel (1: no cluster)."""
-    rows = 16 if fp32 else 8
+    def rows(blocks: int) -> int:  # a warp's, in a block of the cluster
+        return (4 if blocks == 4 else 16) if fp32 else 8
+
     if not epilogue or columns != 2:
         return 1
-    return next((blocks for blocks in (4, 2) if pairs * blocks <= sms and V % (blocks * rows) == 0), 1)
+    return next((blocks for blocks in (4, 2) if pairs * blocks <= sms and V % (blocks * rows(blocks)) == 0), 1)
 
 
 @dataclass(frozen=True)

@@ -147,11 +147,13 @@ def test_one_token_calls_in_every_range_of_the_launch_rule(kind, state, pairs_pe
 
 # The streaming kernel's row groups (kernels/mtp_stream.cuh, launch_mtp_stream): while a block a head would
 # fill at most half the SMs, the head's rows split over several blocks, a cluster of them with the
-# epilogue. One value head and N from this GPU's SM count (sms / 16 requests: four groups of four
-# warps). With idx [N] and an fp32 state, 12 tokens a request take two passes of the staged tokens,
-# the cluster's barrier between them; a bf16 state is carried in fp32 by the resident kernel instead.
+# epilogue. One value head and N from this GPU's SM count (sms / 3 requests), or vLLM's call at 8
+# value heads: two groups of 8 chunks (up to SMs / 4 pairs the short-chunk build takes GDN's calls in
+# layout vk instead: SHORT_CHUNKS below). With idx [N] and an fp32 state, 12 tokens a request take two
+# passes of the staged tokens, the cluster's barrier between them; a bf16 state is carried in fp32 by
+# the resident kernel instead.
 ROW_GROUPS = [
-    mc.Case(H=1, group=1, seed=540),  # vLLM's call
+    mc.Case(H=8, group=1, seed=540),  # vLLM's call
     mc.Case(H=1, group=1, tokens="T12", slots="final", state="fp32", seed=544),
     mc.Case(H=1, group=1, tokens="T12", slots="final", layout="kv", state="fp32", kind="kda", epilogue="sigmoid",
             gates="pre", seed=542),
@@ -163,7 +165,8 @@ ROW_GROUPS = [
 @pytest.mark.parametrize("case", ROW_GROUPS, ids=mc.case_id)
 def test_a_head_split_in_row_groups_computes_the_same_step(case):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = len(mc.VARLEN) if case.tokens == "varlen" else max(6, sms // 16)
+    n = len(mc.VARLEN) if case.tokens == "varlen" else max(6, sms // 3)
+    assert case.kind == "kda" or case.layout == "kv" or n * case.H * case.group * 4 > sms  # not the short-chunk build
     mc.run_and_check(replace(case, N=n), DEVICE)
 
 
@@ -216,6 +219,34 @@ def test_nine_to_sixteen_columns_compute_the_same_step(n, case):
     mc.run_and_check(case if n is None else replace(case, N=n), DEVICE)
 
 
+# The streaming kernel's short-chunk build (kernels/mtp_stream.cuh, short_chunk_launch): 4 rows a
+# chunk in 8-warp blocks, a head's rows in four row groups, where requests x value heads <= SMs / 4
+# (GDN, layout vk, K = 128, up to 8 tokens a pass). N: 1, or ("fill") as many requests as the rule
+# takes on this GPU; varlen at two value heads. Its options: both states, no epilogue (no cluster),
+# sigmoid, checkpoints without num_accepted_tokens, idx [N] with an fp32 state over two passes,
+# C = T + 1 with fp32 io and int64 indices, precomputed gates in a contiguous pool, Qwen3-Next's heads.
+SHORT_CHUNKS = [(1, mc.Case(H=4, tokens="T8", seed=820)),
+                ("fill", mc.Case(H=4, tokens="T4", state="fp32", seed=821)),
+                (None, mc.Case(H=1, tokens="varlen", epilogue="sigmoid", rule="negative", seed=822)),
+                (1, mc.Case(H=4, tokens="T8", slots="ckpt", epilogue="none", seed=823)),
+                (1, mc.Case(H=4, tokens="T12", slots="final", state="fp32", seed=824)),
+                (1, mc.Case(H=16, tokens="T8", state="fp32", seed=825)),
+                (1, mc.Case(H=4, tokens="T5", columns="T+1", io="fp32", index="int64", seed=826)),
+                ("fill", mc.Case(H=4, tokens="T3", pool="contiguous", gates="pre", seed=827))]
+
+
+@pytest.mark.parametrize("n, case", SHORT_CHUNKS, ids=lambda x: x.id if isinstance(x, mc.Case) else f"N{x}")
+def test_the_short_chunk_build_computes_the_same_step(n, case):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pairs = case.H * case.group
+    if n == "fill":
+        n = max(1, sms // (4 * pairs))
+    elif n is None:
+        n = len(mc.VARLEN)
+    assert n * pairs * 4 <= sms  # inside the rule
+    mc.run_and_check(replace(case, N=n), DEVICE)
+
+
 def _kernels_launched(case) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -228,7 +259,8 @@ def _kernels_launched(case) -> list[str]:
 
 
 # Which build the columns pick (kernels/mtp.cuh), from the kernel's name as the profiler records it:
-# the tokens a pass stages (the streaming kernel's last template argument), or the resident kernel.
+# the tokens a pass stages and the rows a chunk (the streaming kernel's last two template
+# arguments), or the resident kernel.
 @pytest.mark.parametrize("tokens, staged", [("T8", 8), ("T9", 16), ("T16", 16), ("T17", None)])
 def test_the_checkpoint_columns_pick_the_build(tokens, staged):
     names = _kernels_launched(mc.Case(H=16, N=32, tokens=tokens, slots="ckpt", seed=811))
@@ -236,7 +268,17 @@ def test_the_checkpoint_columns_pick_the_build(tokens, staged):
     if staged is None:
         assert "decode_mtp_kernel<" in names[0], names
     else:
-        assert re.search(rf"decode_mtp_stream_kernel<.*,\s*{staged}>", names[0]), names
+        assert re.search(rf"decode_mtp_stream_kernel<.*,\s*{staged},\s*8>", names[0]), names
+
+
+# The short-chunk build where requests x value heads <= SMs / 4, the 8-row build past that.
+@pytest.mark.parametrize("share, rows", [(0.25, 4), (1.0, 8)])
+def test_the_grid_picks_the_rows_a_chunk(share, rows):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = max(1, int(share * sms / 8))
+    names = _kernels_launched(mc.Case(H=4, N=n, tokens="T8", seed=812))
+    assert len(names) == 1, names
+    assert re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*{rows}>", names[0]), names
 
 
 # The few-token kernel (kernels/mtp_few.cuh): GDN, layout vk, K = 128. vLLM's call with one draft
