@@ -48,8 +48,6 @@ import mtp_bench as bench  # noqa: E402
 from fetch_vllm_ops import CUDA_OP_DIR, FLA_DIR, fetched_version  # noqa: E402
 
 FP8_SCALE = 0.02
-E4M3_STEP = 1 / 8  # e4m3's 3 mantissa bits: neighbours at most an eighth of the larger apart
-E4M3_SUBNORMAL = 2.0 ** -9  # its step below 2^-6
 CUDELTA_BF16, CUDELTA_FP8 = "cudelta bf16", "cudelta fp8"
 VLLM_MTP, VLLM_T1 = "vLLM MTP + quant", "vLLM T=1 + norm-quant"
 IMPLS = (CUDELTA_BF16, CUDELTA_FP8, VLLM_MTP, VLLM_T1)
@@ -116,19 +114,23 @@ def calls(cell, vllm_mtp, vllm_t1, scale, out8) -> dict:
     return named
 
 
-def fp8_excess(actual, expected) -> float:
-    """The largest |difference| over its allowance (one e4m3 step of the larger value); NaN is inf."""
+def fp8_excess(actual, expected) -> tuple[float, float]:
+    """(max |difference|, the largest |difference| over its allowance, one e4m3 step of the larger
+    value: cudelta.reference.fp8_one_step, which the GPU tests hold too); NaN is infinitely far."""
     import torch
+    from cudelta.reference import fp8_one_step
 
     a, e = actual.float(), expected.float()
     d = (a - e).abs()
     if torch.isnan(d).any():
-        return float("inf")
-    return float((d / (E4M3_STEP * torch.maximum(a.abs(), e.abs()) + E4M3_SUBNORMAL)).max())
+        return float("inf"), float("inf")
+    return float(d.max()), float((d / fp8_one_step(a, e)).max())
 
 
 def check_all(cell, named: dict, scale) -> list[str]:
-    """What disagrees with the reference, one line each (empty: every call computes the step)."""
+    """What disagrees with the reference, one line each (empty: every call computes the step):
+    mtp_bench.check, each output judged by its dtype (FP8 within one e4m3 step of the reference's,
+    bf16 within mtp_bench's tolerance)."""
     import torch
 
     base_pages, _ = cell.pool(1 + cell.B * cell.T + bench.SPARE_SLOTS, random_bytes=True)
@@ -137,23 +139,15 @@ def check_all(cell, named: dict, scale) -> list[str]:
     ref_state = cell.state_of(ref_pages)
     ref_bf16 = cell.reference(ref_state.clone(), idx, True)
     ref8 = cell.reference(ref_state, idx, True, output_scale=scale)
-    wrong = []
-    for name, call in named.items():
-        pages = base_pages.clone()
-        state = cell.state_of(pages)
-        got = call(state, idx)
-        bench.sync()
+
+    def judge(got):
         if got.dtype == torch.float8_e4m3fn:
-            ratio = fp8_excess(got, ref8)
-        else:
-            ratio = bench.excess(got, ref_bf16, bench.TOL_OUT)[1]
-        _, st_ratio, problem = bench.compare_pools(cell, pages, state, ref_pages, ref_state, base_pages,
-                                                   idx.reshape(-1).long())
-        if ratio > 1 or st_ratio > 1 or problem:
-            wrong.append(f"{name}: out {ratio:.3g}x its allowance, state {st_ratio:.3g}x"
-                         + (f"; {problem}" if problem else ""))
-        del pages, state
-    return wrong
+            return fp8_excess(got, ref8)
+        return bench.excess(got, ref_bf16, bench.TOL_OUT)
+
+    checks = [bench.check(cell, name, call, idx, base_pages, None, ref_pages, idx.reshape(-1).long(), judge=judge)
+              for name, call in named.items()]
+    return [f"{c['impl']}: {c['detail']}" for c in checks if not c["ok"]]
 
 
 def run(state: str, B: int, T: int, vllm_mtp, vllm_t1) -> dict:

@@ -434,14 +434,16 @@ def compare_pools(cell: Cell, pages, state, ref_pages, ref_state, base_pages, wr
     return worst_abs, worst, problem
 
 
-def check(cell: Cell, impl: str, call, idx, base_pages, ref_out, ref_pages, written) -> dict:
-    """impl's step on its own copy of the check pool against the reference's."""
+def check(cell: Cell, impl: str, call, idx, base_pages, ref_out, ref_pages, written, judge=None) -> dict:
+    """impl's step on its own copy of the check pool against the reference's. The output: cell.out
+    against ref_out within TOL_OUT, or judge(what the call returns) -> (max |Δ|, ratio to its
+    allowance) where the call's output is not cell.out's (fp8_bench's FP8 outputs)."""
     pages = base_pages.clone()
     state, ref_state = cell.state_of(pages), cell.state_of(ref_pages)
     cell.out.fill_(float("nan"))
-    call(state, idx)
+    got = call(state, idx)
     sync()
-    out_abs, out_ratio = excess(cell.out, ref_out, TOL_OUT)
+    out_abs, out_ratio = excess(cell.out, ref_out, TOL_OUT) if judge is None else judge(got)
     st_abs, st_ratio, problem = compare_pools(cell, pages, state, ref_pages, ref_state, base_pages, written)
     details = []
     if out_ratio > 1:

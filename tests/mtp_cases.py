@@ -37,7 +37,7 @@ from step_tolerance import (  # noqa: E402
 )
 
 import cudelta  # noqa: E402
-from cudelta.reference import gated_rms_norm, static_fp8  # noqa: E402
+from cudelta.reference import fp8_one_step, gated_rms_norm, static_fp8  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
@@ -650,11 +650,10 @@ def fp8_takes_another_kernel(case: Case, step: Step) -> bool:
 
 
 def assert_fp8_within_one_step(got: torch.Tensor, expected: torch.Tensor) -> None:
-    """Each e4m3 value at most one step from the expected one (a rounding before the e4m3 rounding can
-    move it one step): an eighth of the larger magnitude, or 2^-9 among subnormals."""
+    """Each e4m3 value at most one step from the expected one (fp8_one_step): a rounding before the
+    e4m3 rounding can move it one step."""
     g, e = got.float(), expected.float()
-    step = torch.maximum(g.abs().maximum(e.abs()) / 8, torch.full_like(e, 2.0 ** -9))
-    far = ((g - e).abs() > step).nonzero()
+    far = ((g - e).abs() > fp8_one_step(g, e)).nonzero()
     assert far.numel() == 0, f"{far.shape[0]} FP8 values more than one e4m3 step away, first at {far[0].tolist()}: " \
         f"{g[tuple(far[0])].item()} against {e[tuple(far[0])].item()}"
 
