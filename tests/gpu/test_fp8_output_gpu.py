@@ -8,7 +8,9 @@ torch.compile(fullgraph=True) and in a CUDA graph whose scale changes between re
 scale is a tensor, read on the device), and the op's own refusals of an FP8 out without a scale
 and a scale without the epilogue."""
 
+import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,35 @@ DEVICE = "cuda"
 @pytest.mark.parametrize("case", mc.FP8_OUTPUT, ids=mc.case_id)
 def test_the_fp8_output_is_the_checked_output_rounded_as_the_reference_rounds(case):
     mc.check_fp8_output(case, DEVICE)
+
+
+# The few-token kernel's FP8 builds (decode_vk_few_kernel's F8, kernels/mtp_few.cuh): vLLM's call
+# with one draft token in clusters of 4 and of 2 (sm_90+ images; elsewhere one block a pair), one
+# block a pair of 8-row warps (bf16, 0.9 of the SMs) and of 16 (1.9), and fp32 state's three tokens.
+# N from this GPU's SM count, as test_mtp_gpu's few-token cases; each FP8 call launches an F8 build.
+FEW_TOKEN_FP8 = [(0.25, mc.Case(H=16, tokens="T2", seed=960)),
+                 (0.5, mc.Case(H=16, tokens="varlen2", epilogue="sigmoid", seed=961)),
+                 (0.25, mc.Case(H=16, tokens="T2", state="fp32", seed=962)),
+                 (0.9, mc.Case(H=16, tokens="T2", seed=963)),
+                 (1.9, mc.Case(H=16, tokens="varlen2", state="fp32", index="int64", seed=964)),
+                 (1.9, mc.Case(H=16, tokens="T3", state="fp32", slots="ckpt", seed=965))]
+
+
+@pytest.mark.parametrize("share, case", FEW_TOKEN_FP8, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
+def test_the_few_token_kernel_s_fp8_builds_round_as_the_reference_rounds(share, case):
+    from torch.profiler import ProfilerActivity, profile
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    case = replace(case, N=max(1, int(share * sms / (case.H * case.group))))
+    columns = 3 if case.tokens == "T3" else 2
+    assert mc.takes_the_few_token_kernel(case.N * case.H * case.group, sms, case.state == "fp32", columns)
+    mc.check_fp8_output(case, DEVICE)
+    step = mc.build(case, DEVICE)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mc.fp8_call(case, step.t, step.state, torch.tensor([0.02], device=DEVICE), None)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "decode" in e.name]
+    assert len(names) == 1 and re.search(r"decode_vk_few_kernel<[^>]*, true>", names[0]), names
 
 
 @pytest.mark.parametrize("scale", mc.FP8_SCALES, ids=[repr(s) for s in mc.FP8_SCALES])
