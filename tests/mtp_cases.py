@@ -615,6 +615,23 @@ FP8_OUTPUT = [
 ]
 
 
+# The few-token kernel's FP8 builds (decode_vk_few_kernel's F8, kernels/mtp_few.cuh), as shares of
+# the GPU's SMs filled with (request, value head) pairs (sized_for): vLLM's call with one draft token
+# in clusters of 4 and of 2 (sm_90+ images; elsewhere one block a pair), one block a pair of 8-row
+# warps (bf16, 0.9 of the SMs) and of 16 (1.9), and fp32 state's three tokens.
+FP8_FEW_TOKEN = [(0.25, Case(H=16, tokens="T2", seed=960)),
+                 (0.5, Case(H=16, tokens="T2", epilogue="sigmoid", seed=961)),
+                 (0.25, Case(H=16, tokens="T2", state="fp32", seed=962)),
+                 (0.9, Case(H=16, tokens="T2", seed=963)),
+                 (1.9, Case(H=16, tokens="varlen2", state="fp32", index="int64", seed=964)),
+                 (1.9, Case(H=16, tokens="T3", state="fp32", slots="ckpt", seed=965))]
+
+
+def sized_for(share: float, case: Case, sms: int) -> Case:
+    """The case with as many requests as fill `share` of `sms` SMs with (request, value head) pairs."""
+    return replace(case, N=max(1, int(share * sms / (case.H * case.group))))
+
+
 def fp8_call(case: Case, t: dict, state: torch.Tensor, scale: torch.Tensor, out: Optional[torch.Tensor]):
     """The case's public call with the FP8 output (output_scale), writing out= when given."""
     args, kw = call_args(case, t, out)

@@ -10,7 +10,6 @@ and a scale without the epilogue."""
 
 import re
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,24 +36,12 @@ def test_the_fp8_output_is_the_checked_output_rounded_as_the_reference_rounds(ca
     mc.check_fp8_output(case, DEVICE)
 
 
-# The few-token kernel's FP8 builds (decode_vk_few_kernel's F8, kernels/mtp_few.cuh): vLLM's call
-# with one draft token in clusters of 4 and of 2 (sm_90+ images; elsewhere one block a pair), one
-# block a pair of 8-row warps (bf16, 0.9 of the SMs) and of 16 (1.9), and fp32 state's three tokens.
-# N from this GPU's SM count, as test_mtp_gpu's few-token cases; each FP8 call launches an F8 build.
-FEW_TOKEN_FP8 = [(0.25, mc.Case(H=16, tokens="T2", seed=960)),
-                 (0.5, mc.Case(H=16, tokens="varlen2", epilogue="sigmoid", seed=961)),
-                 (0.25, mc.Case(H=16, tokens="T2", state="fp32", seed=962)),
-                 (0.9, mc.Case(H=16, tokens="T2", seed=963)),
-                 (1.9, mc.Case(H=16, tokens="varlen2", state="fp32", index="int64", seed=964)),
-                 (1.9, mc.Case(H=16, tokens="T3", state="fp32", slots="ckpt", seed=965))]
-
-
-@pytest.mark.parametrize("share, case", FEW_TOKEN_FP8, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
+@pytest.mark.parametrize("share, case", mc.FP8_FEW_TOKEN, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
 def test_the_few_token_kernel_s_fp8_builds_round_as_the_reference_rounds(share, case):
     from torch.profiler import ProfilerActivity, profile
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    case = replace(case, N=max(1, int(share * sms / (case.H * case.group))))
+    case = mc.sized_for(share, case, sms)
     columns = 3 if case.tokens == "T3" else 2
     assert mc.takes_the_few_token_kernel(case.N * case.H * case.group, sms, case.state == "fp32", columns)
     mc.check_fp8_output(case, DEVICE)

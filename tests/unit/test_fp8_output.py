@@ -104,6 +104,14 @@ def test_the_gpu_suite_s_fp8_cases_pass_on_cpu_tensors(case):
     mc.check_fp8_output(case, "cpu")
 
 
+# The few-token FP8 cases at the SM counts of an A100, an H100 / H200 and a B200: a case whose
+# inputs skip every row would pass the GPU's comparison without testing the FP8 store.
+@pytest.mark.parametrize("sms", [108, 132, 148])
+@pytest.mark.parametrize("share, case", mc.FP8_FEW_TOKEN, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
+def test_the_gpu_suite_s_few_token_fp8_cases_pass_on_cpu_tensors(share, case, sms):
+    mc.check_fp8_output(mc.sized_for(share, case, sms), "cpu")
+
+
 @pytest.mark.parametrize("scale", mc.FP8_SCALES, ids=[repr(s) for s in mc.FP8_SCALES])
 def test_the_gpu_suite_s_scales_pass_on_cpu_tensors(scale):
     mc.check_fp8_scale(scale, "cpu")
