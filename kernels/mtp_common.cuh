@@ -170,16 +170,18 @@ __device__ __forceinline__ float reciprocal_rn(float s) {
 // torch's clamp keeps it), rounded to the nearest e4m3 value. The scale is read here, on the device,
 // so that a CUDA graph replays with its current value; with a plain load, which the compiler cannot
 // move above the stores before it (an __ldg it hoisted over the few-token kernel's token steps, when
-// that kernel still stored through here, and ptxas spilled there).
-__device__ __forceinline__ void store_out(const GdnDecodeParams& p, int64_t i, float y) {
-  if (p.out_scale == nullptr) {
-    store_f(p.out, p.dtype, i, y);
-    return;
-  }
+// that kernel still stored through here, and ptxas spilled there). store_fp8: the e4m3 store alone,
+// for a build that only makes the FP8 output (the few-token kernel's F8).
+__device__ __forceinline__ void store_fp8(const GdnDecodeParams& p, int64_t i, float y) {
   float x = rounded(y, p.dtype);
   x = x == 0.f ? x : x * reciprocal_rn(*p.out_scale);
   x = x > 448.f ? 448.f : (x < -448.f ? -448.f : x);
   static_cast<__nv_fp8_storage_t*>(p.out)[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ void store_out(const GdnDecodeParams& p, int64_t i, float y) {
+  if (p.out_scale == nullptr) store_f(p.out, p.dtype, i, y);
+  else store_fp8(p, i, y);
 }
 
 // A zero output (a row the contract zeroes): no scale to read, e4m3's zero is a zero byte.

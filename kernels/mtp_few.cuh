@@ -29,8 +29,10 @@ constexpr int kFewRows = 16;
 // registers to the end (in the loop that build was 1-1.5% slower from B=16 with fp32 state, H200;
 // benchmarks/results-h200-mtp.md). CL > 1 (few_cluster_blocks): the head's V rows in CL blocks of a
 // cluster instead, V / CL each (blockIdx.z says which), the epilogue's mean over V taken by each
-// block from every block's sums.
-template <int K, typename ST, int BW, int TT, int CL = 1>
+// block from every block's sums. F8: the build of the epilogue's FP8 output (p.out_scale), apart so
+// that the builds of v's dtype stay as they were (one store for both spilled 8-12 bytes in the token
+// steps, sm_90a fp32 and sm_100 bf16).
+template <int K, typename ST, int BW, int TT, int CL = 1, bool F8 = false>
 __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
@@ -215,10 +217,10 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
     float z;
     if constexpr (TT <= 2) z = widen_bits(z_bits[t], p.z_dtype);
     else z = s_z[t][threadIdx.x];
-    // Never the FP8 output (few_token_call): store_out here made ptxas spill 8-12 bytes in the token
-    // steps (sm_90a fp32, sm_100 bf16).
-    store_f(p.out, p.dtype, (bos + t) * p.out_stride_n + hv * p.out_stride_h + col,
-            gated_rms_norm(p, s_o[t][threadIdx.x], total, w, z));
+    const int64_t at = (bos + t) * p.out_stride_n + hv * p.out_stride_h + col;
+    const float y = gated_rms_norm(p, s_o[t][threadIdx.x], total, w, z);
+    if constexpr (F8) store_fp8(p, at, y);
+    else store_f(p.out, p.dtype, at, y);
   }
 }
 
@@ -229,7 +231,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 //     that fill at least 90% of the last, up to kFewMaxPairsPerSm pairs an SM;
 //   idx [N, 3..4], fp32 state: the same waves, from 90% of the SMs (a pair an SM) up to
 //     kFewMaxPairsPerSm4 pairs an SM.
-// Elsewhere, and for the FP8 output (this kernel stores v's dtype only), the streaming kernel. H200, 16/32 heads (benchmarks/results-h200-mtp.md), µs, streaming
+// Elsewhere the streaming kernel. H200, 16/32 heads (benchmarks/results-h200-mtp.md), µs, streaming
 // -> this kernel: T = 2 bf16 B=1 / 4 / 8 7.95 / 9.4 / 12.25 -> 7.4 / 8.45 / 11.8 (vLLM's op 8.65 /
 // 9.25 / 12.2), but past two pairs an SM slower: B=12 / 16 / 32 16.7 / 19.85 / 35.65 -> 19.1 / 20.75
 // / 37.7; fp32 B=4 / 8 / 32 / 128 12.6 / 19.2 / 64.05 / 225.25 -> 11.1 / 17.1 / 58.05 / 215 (vLLM's
@@ -245,7 +247,7 @@ template <typename ST>
 bool few_token_call(const GdnDecodeParams& p) {
   constexpr bool fp32 = std::is_same_v<ST, float>;
   if (p.idx_columns < 2 || p.idx_columns > (fp32 ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
-      p.V % 16 != 0 || p.V > kMaxOneRows || p.out_scale != nullptr)
+      p.V % 16 != 0 || p.V > kMaxOneRows)
     return false;
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p), wave = 2 * sms;
   const int64_t waves = (pairs + wave - 1) / wave;
@@ -254,16 +256,16 @@ bool few_token_call(const GdnDecodeParams& p) {
   return pairs <= wave || (fp32 && pairs <= kFewMaxPairsPerSm * sms && full_waves);
 }
 
-template <typename ST, int BW, int TT>
+template <typename ST, int BW, int TT, bool F8>
 int launch_vk_few_rows(const GdnDecodeParams& p, cudaStream_t stream) {
-  return launch_decode(decode_vk_few_kernel<128, ST, BW, TT>, request_head_grid(p), dim3(static_cast<unsigned>(p.V / BW) * 32),
-                       p, stream);
+  return launch_decode(decode_vk_few_kernel<128, ST, BW, TT, 1, F8>, request_head_grid(p),
+                       dim3(static_cast<unsigned>(p.V / BW) * 32), p, stream);
 }
 
 // A head's rows in clusters of CL blocks along z (few_cluster_blocks: sm_90+ images, the epilogue).
-template <typename ST, int BW, int TT, int CL>
+template <typename ST, int BW, int TT, int CL, bool F8>
 int launch_vk_few_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
-  return launch_decode(decode_vk_few_kernel<128, ST, BW, TT, CL>, request_head_grid(p, CL),
+  return launch_decode(decode_vk_few_kernel<128, ST, BW, TT, CL, F8>, request_head_grid(p, CL),
                        dim3(static_cast<unsigned>(p.V / CL / BW) * 32), p, stream, 0, dim3(1, 1, CL));
 }
 
@@ -293,19 +295,24 @@ int few_cluster_blocks(const GdnDecodeParams& p) {
 // Rows a warp: 8 (a block of 16 warps a head, one an SM) where a bf16 state's pairs fit the SMs
 // once, 16 (8-warp blocks, two an SM) elsewhere. H200, 16/32 heads, T = 2, 8 -> 16 rows, µs: bf16
 // B=1 / 4 7.4 / 8.45 -> 8.0 / 9.0, B=8 14.45 -> 11.8; fp32 B=1 / 4 8.35 / 11.15 -> 8.45 / 11.1.
-template <typename ST>
-int launch_vk_few(const GdnDecodeParams& p, cudaStream_t stream) {
+template <typename ST, bool F8>
+int launch_vk_few_builds(const GdnDecodeParams& p, cudaStream_t stream) {
   switch (few_cluster_blocks<ST>(p)) {
-    case 4: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST, 4>, 2, 4>(p, stream);
-    case 2: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST, 2>, 2, 2>(p, stream);
+    case 4: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST, 4>, 2, 4, F8>(p, stream);
+    case 2: return launch_vk_few_cluster<ST, kFewClusterWarpRows<ST, 2>, 2, 2, F8>(p, stream);
     default: break;
   }
   if constexpr (std::is_same_v<ST, float>) {
-    if (p.idx_columns > 2) return launch_vk_few_rows<ST, kFewRows, 4>(p, stream);
+    if (p.idx_columns > 2) return launch_vk_few_rows<ST, kFewRows, 4, F8>(p, stream);
   } else {
-    if (p.N * p.HV <= rule_sms(p)) return launch_vk_few_rows<ST, 8, 2>(p, stream);
+    if (p.N * p.HV <= rule_sms(p)) return launch_vk_few_rows<ST, 8, 2, F8>(p, stream);
   }
-  return launch_vk_few_rows<ST, kFewRows, 2>(p, stream);
+  return launch_vk_few_rows<ST, kFewRows, 2, F8>(p, stream);
+}
+
+template <typename ST>
+int launch_vk_few(const GdnDecodeParams& p, cudaStream_t stream) {
+  return p.out_scale != nullptr ? launch_vk_few_builds<ST, true>(p, stream) : launch_vk_few_builds<ST, false>(p, stream);
 }
 
 }  // namespace

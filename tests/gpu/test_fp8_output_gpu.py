@@ -8,6 +8,7 @@ torch.compile(fullgraph=True) and in a CUDA graph whose scale changes between re
 scale is a tensor, read on the device), and the op's own refusals of an FP8 out without a scale
 and a scale without the epilogue."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -33,6 +34,23 @@ DEVICE = "cuda"
 @pytest.mark.parametrize("case", mc.FP8_OUTPUT, ids=mc.case_id)
 def test_the_fp8_output_is_the_checked_output_rounded_as_the_reference_rounds(case):
     mc.check_fp8_output(case, DEVICE)
+
+
+@pytest.mark.parametrize("share, case", mc.FP8_FEW_TOKEN, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
+def test_the_few_token_kernel_s_fp8_builds_round_as_the_reference_rounds(share, case):
+    from torch.profiler import ProfilerActivity, profile
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    case = mc.sized_for(share, case, sms)
+    columns = 3 if case.tokens == "T3" else 2
+    assert mc.takes_the_few_token_kernel(case.N * case.H * case.group, sms, case.state == "fp32", columns)
+    mc.check_fp8_output(case, DEVICE)
+    step = mc.build(case, DEVICE)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mc.fp8_call(case, step.t, step.state, torch.tensor([0.02], device=DEVICE), None)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "decode" in e.name]
+    assert len(names) == 1 and re.search(r"decode_vk_few_kernel<[^>]*, true>", names[0]), names
 
 
 @pytest.mark.parametrize("scale", mc.FP8_SCALES, ids=[repr(s) for s in mc.FP8_SCALES])
