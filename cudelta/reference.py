@@ -87,15 +87,6 @@ def static_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def fp8_one_step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per element, one e4m3 step at the larger of |a| and |b|: an eighth of it (e4m3 keeps 3 mantissa
-    bits, so neighbours lie at most that far apart), or 2^-9 among the subnormals. Two static_fp8
-    roundings of outputs a rounding apart (a bf16 ulp, another order of sums) land at most this far
-    apart: the allowance the FP8 checks of the tests and fp8_bench share."""
-    larger = torch.maximum(a.float().abs(), b.float().abs())
-    return torch.clamp(larger / 8, min=2.0 ** -9)
-
-
 def _starting_slots(idx: torch.Tensor, accepted: Optional[torch.Tensor], columns: int) -> torch.Tensor:
     """Slot of each request's starting state [N] (int64, -1 where no column holds it): idx[n], or
     idx[n, acc[n] - 1] with idx [N, C] (acc 1 without num_accepted_tokens)."""
