@@ -216,11 +216,12 @@ def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: s
 SOURCE_KERNELS = {report.CUDELTA: "regex:decode_", report.VLLM_CUDA: "regex:gdn_decode_post_conv"}
 
 
-def source_profiles(ncu: str, kernels: str, skip: int, count: int,
-                    workload: list[str]) -> dict[str, ncu_source.SourceProfile]:
+def source_profiles(ncu: str, kernels: str, skip: int, count: int, workload: list[str],
+                    page_csv: Path | None = None) -> dict[str, ncu_source.SourceProfile]:
     """Warp-stall samples per instruction of the `count` launches of `kernels` after the first
     `skip` in the workload process, as a benchmark runs it: no cache flush, and application replay
-    (each pass reruns the process, so the state slots are as cold as there)."""
+    (each pass reruns the process, so the state slots are as cold as there). `page_csv` keeps ncu's
+    whole source page, every instruction's samples, for reading beyond the table's hottest one."""
     with tempfile.TemporaryDirectory(prefix="ncu-src-") as tmp:
         report_file = Path(tmp) / "source"
         cmd = [ncu, "--clock-control", "none", "--cache-control", "none", "--replay-mode", "application",
@@ -231,13 +232,16 @@ def source_profiles(ncu: str, kernels: str, skip: int, count: int,
             raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
         page = subprocess.run([ncu, "--import", f"{report_file}.ncu-rep", "--page", "source", "--csv",
                                "--print-source", "sass"], capture_output=True, text=True, check=True)
+    if page_csv is not None:
+        page_csv.write_text(page.stdout)
     return ncu_source.parse(page.stdout)
 
 
 def profile_source(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str,
-                   kernels: str) -> dict[str, ncu_source.SourceProfile]:
+                   kernels: str, page_csv: Path | None = None) -> dict[str, ncu_source.SourceProfile]:
     """The cell's last calls - calls // 2 launches of `kernels` (the first half warm L2's inputs)."""
-    return source_profiles(ncu, kernels, calls // 2, calls - calls // 2, workload_command(cell, calls, so, reason))
+    return source_profiles(ncu, kernels, calls // 2, calls - calls // 2, workload_command(cell, calls, so, reason),
+                           page_csv)
 
 
 def summarise_source(label: str, impl: str, profiles: dict[str, ncu_source.SourceProfile]) -> list[str]:
@@ -262,6 +266,9 @@ def main() -> int:
     parser.add_argument("--source", action="store_true",
                         help="where the warps wait instead: warp-stall samples per SASS instruction "
                              "(--calls of each implementation, the second half profiled)")
+    parser.add_argument("--pages", type=Path, metavar="DIR",
+                        help="with --source: also write ncu's whole source page (CSV) of each cell and "
+                             "implementation here")
     parser.add_argument("--workload", type=parse_cell, help=argparse.SUPPRESS)
     parser.add_argument("--so", default="", help=argparse.SUPPRESS)
     parser.add_argument("--so-reason", default="", help=argparse.SUPPRESS)
@@ -297,8 +304,12 @@ def main_source(args, so: str, reason: str, torch) -> int:
         for impl, kernels in SOURCE_KERNELS.items():
             if impl == report.VLLM_CUDA and not so:
                 continue
+            page = None
+            if args.pages:
+                args.pages.mkdir(parents=True, exist_ok=True)
+                page = args.pages / f"{cell[0]}-{cell[1]}-{cell[2]}-{impl}.csv"
             lines += summarise_source(cell_label(cell), impl,
-                                      profile_source(args.ncu, cell, args.calls, so, reason, kernels))
+                                      profile_source(args.ncu, cell, args.calls, so, reason, kernels, page))
             print(lines[-1], file=sys.stderr, flush=True)
     return write_table(lines, args.out)
 

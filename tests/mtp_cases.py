@@ -632,6 +632,18 @@ def sized_for(share: float, case: Case, sms: int) -> Case:
     return replace(case, N=max(1, int(share * sms / (case.H * case.group))))
 
 
+def kernels_launched(fn) -> list[str]:
+    """The names of the decode kernels that `fn()` launches, as the CUDA profiler records them
+    (the template arguments name the build)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA" and "decode" in e.name]
+
+
 def fp8_call(case: Case, t: dict, state: torch.Tensor, scale: torch.Tensor, out: Optional[torch.Tensor]):
     """The case's public call with the FP8 output (output_scale), writing out= when given."""
     args, kw = call_args(case, t, out)

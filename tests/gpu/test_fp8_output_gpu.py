@@ -38,18 +38,13 @@ def test_the_fp8_output_is_the_checked_output_rounded_as_the_reference_rounds(ca
 
 @pytest.mark.parametrize("share, case", mc.FP8_FEW_TOKEN, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
 def test_the_few_token_kernel_s_fp8_builds_round_as_the_reference_rounds(share, case):
-    from torch.profiler import ProfilerActivity, profile
-
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = mc.sized_for(share, case, sms)
     columns = 3 if case.tokens == "T3" else 2
     assert mc.takes_the_few_token_kernel(case.N * case.H * case.group, sms, case.state == "fp32", columns)
     mc.check_fp8_output(case, DEVICE)
-    step = mc.build(case, DEVICE)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        mc.fp8_call(case, step.t, step.state, torch.tensor([0.02], device=DEVICE), None)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "decode" in e.name]
+    step, scale = mc.build(case, DEVICE), torch.tensor([0.02], device=DEVICE)
+    names = mc.kernels_launched(lambda: mc.fp8_call(case, step.t, step.state, scale, None))
     assert len(names) == 1 and re.search(r"decode_vk_few_kernel<[^>]*, true>", names[0]), names
 
 

@@ -248,14 +248,8 @@ def test_the_short_chunk_build_computes_the_same_step(n, case):
 
 
 def _kernels_launched(case) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
     step = mc.build(case, DEVICE)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        mc.call(case, step)
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type.name == "CUDA" and "decode" in e.name]
+    return mc.kernels_launched(lambda: mc.call(case, step))
 
 
 # Which build the columns pick (kernels/mtp.cuh), from the kernel's name as the profiler records it:
@@ -306,14 +300,13 @@ FEW_TOKENS = [(0.9, mc.Case(H=16, tokens="T2", seed=570)), (0.9, mc.Case(H=16, t
 @pytest.mark.parametrize("share, case", FEW_TOKENS, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
 def test_the_few_token_kernel_computes_the_same_step(share, case):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pairs = case.H * case.group
-    n = max(1, int(share * sms / pairs))
-    lens = mc.token_lens(replace(case, N=n))
-    columns = max(lens) + (1 if case.columns == "T+1" else 0)
+    case = mc.sized_for(share, case, sms)
+    pairs = case.N * case.H * case.group
+    columns = max(mc.token_lens(case)) + (1 if case.columns == "T+1" else 0)
     assert columns in (2, 3, 4)  # idx [N, 2], [N, 3] or [N, 4]
-    assert mc.takes_the_few_token_kernel(n * pairs, sms, case.state == "fp32", columns)
-    assert (n * pairs <= sms) == (share < 1) and (n * pairs > 2 * sms) == (share > 2)
-    mc.run_and_check(replace(case, N=n), DEVICE)
+    assert mc.takes_the_few_token_kernel(pairs, sms, case.state == "fp32", columns)
+    assert (pairs <= sms) == (share < 1) and (pairs > 2 * sms) == (share > 2)
+    mc.run_and_check(case, DEVICE)
 
 
 # The few-token kernel's clusters (few_cluster_blocks): vLLM's call with one draft token and the
@@ -330,12 +323,12 @@ FEW_CLUSTERS = [(0.25, 4, mc.Case(H=16, tokens="T2", seed=590)),
                          ids=lambda x: mc.case_id(x) if isinstance(x, mc.Case) else str(x))
 def test_the_few_token_kernel_in_clusters_computes_the_same_step(share, blocks, case):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pairs = case.H * case.group
-    n = max(1, int(share * sms / pairs))
-    assert mc.takes_the_few_token_kernel(n * pairs, sms, case.state == "fp32", 2)
-    if mc.few_cluster_blocks(n * pairs, sms, case.state == "fp32", 2, epilogue=True) != blocks:
-        pytest.skip(f"{blocks} blocks a pair of {n * pairs} pairs do not fit this GPU's {sms} SMs")
-    mc.run_and_check(replace(case, N=n), DEVICE)
+    case = mc.sized_for(share, case, sms)
+    pairs = case.N * case.H * case.group
+    assert mc.takes_the_few_token_kernel(pairs, sms, case.state == "fp32", 2)
+    if mc.few_cluster_blocks(pairs, sms, case.state == "fp32", 2, epilogue=True) != blocks:
+        pytest.skip(f"{blocks} blocks a pair of {pairs} pairs do not fit this GPU's {sms} SMs")
+    mc.run_and_check(case, DEVICE)
 
 
 # vLLM's call, and dense tokens with checkpoints in KDA on the other layout
