@@ -244,6 +244,16 @@ def profile_source(ncu: str, cell: tuple[str, int, int], calls: int, so: str, re
                            page_csv)
 
 
+def phase_rows(label: str, impl: str, tokens: int, profiles: dict[str, ncu_source.SourceProfile]) -> list[str]:
+    """One warp's path before, in and after the token loop (ncu_source.SourceProfile.phases)."""
+    lines = []
+    for name, prof in profiles.items():
+        cells = [f"{ph.path:,.0f} · {ph.share:.0f}% · " + ", ".join(f"{k} {v:.0f}" for k, v in ph.reasons[:2])
+                 for ph in prof.phases(tokens)]
+        lines.append(f"| {label} | {impl} | {short_name(name)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summarise_source(label: str, impl: str, profiles: dict[str, ncu_source.SourceProfile]) -> list[str]:
     lines = []
     for name, prof in profiles.items():
@@ -300,6 +310,9 @@ def main_source(args, so: str, reason: str, torch) -> int:
              f"summed; H={mtp_bench.H}, HV={mtp_bench.HV}; {torch.cuda.get_device_name(0)}, torch {torch.__version__}", "",
              "| cell | impl | kernel | warp instructions a launch (thousands) | top stalls (% of samples) | "
              "hottest instruction (% of samples) |", "|---|---|---|---|---|---|"]
+    phases = ["", "One warp's path (the working warps': the count most instructions ran) before, in and after "
+              "the token loop: instructions · % of all samples · largest stalls (% of the phase's samples)", "",
+              "| cell | impl | kernel | before the loop | token loop | after the loop |", "|---|---|---|---|---|---|"]
     for cell in args.cells:
         for impl, kernels in SOURCE_KERNELS.items():
             if impl == report.VLLM_CUDA and not so:
@@ -308,10 +321,11 @@ def main_source(args, so: str, reason: str, torch) -> int:
             if args.pages:
                 args.pages.mkdir(parents=True, exist_ok=True)
                 page = args.pages / f"{cell[0]}-{cell[1]}-{cell[2]}-{impl}.csv"
-            lines += summarise_source(cell_label(cell), impl,
-                                      profile_source(args.ncu, cell, args.calls, so, reason, kernels, page))
+            profiles = profile_source(args.ncu, cell, args.calls, so, reason, kernels, page)
+            lines += summarise_source(cell_label(cell), impl, profiles)
+            phases += phase_rows(cell_label(cell), impl, cell[2], profiles)
             print(lines[-1], file=sys.stderr, flush=True)
-    return write_table(lines, args.out)
+    return write_table(lines + phases, args.out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class SourceProfile:
     samples: list[float] = field(default_factory=list)  # per instruction
     executed: list[float] = field(default_factory=list)  # warp-level, per instruction
     reasons: Counter = field(default_factory=Counter)  # stall reason -> samples
+    instruction_reasons: list[Counter] = field(default_factory=list)  # per instruction
 
     @property
     def total(self) -> float:
@@ -52,6 +53,40 @@ class SourceProfile:
 
     def executed_per_launch(self) -> float:
         return sum(self.executed) / self.launches if self.launches else 0.0
+
+    def phases(self, tokens: int) -> list["Phase"]:
+        """One warp's path in three phases: the token loop (the instructions each working warp runs
+        once a token), what comes before it and what after. The working warps are the count most
+        instructions ran (straight-line code, once a warp: a grid's extra blocks that return at once
+        run few instructions); a phase's path is its executed instructions over them."""
+        counts = Counter(c for c in self.executed if c)
+        if not counts:
+            return []
+        warps = counts.most_common(1)[0][0]
+        loop = [i for i, c in enumerate(self.executed) if c == tokens * warps] if tokens > 1 else []
+        first, last = (loop[0], loop[-1] + 1) if loop else (len(self.executed), len(self.executed))
+        spans = (("before the loop", 0, first), ("token loop", first, last), ("after the loop", last, len(self.executed)))
+        return [self._phase(name, a, b, warps) for name, a, b in spans]
+
+    def _phase(self, name: str, a: int, b: int, warps: float) -> "Phase":
+        reasons = Counter()
+        for r in self.instruction_reasons[a:b]:
+            reasons.update(r)
+        total = sum(self.samples[a:b])
+        return Phase(name, sum(self.executed[a:b]) / warps, 100.0 * total / self.total if self.total else 0.0,
+                     [(k, 100.0 * v / total) for k, v in reasons.most_common(3)] if total else [])
+
+
+@dataclass
+class Phase:
+    """A stretch of a kernel's code: instructions on one working warp's path, its share of all
+    samples (of the warps' time, the grid's extra blocks included), its largest stall reasons (% of
+    its own samples)."""
+
+    name: str
+    path: float
+    share: float
+    reasons: list[tuple[str, float]]
 
 
 def _number(text: str) -> float:
@@ -83,6 +118,7 @@ def parse(text: str) -> dict[str, SourceProfile]:
             prof.instructions = [r[at["Source"]].strip() for r in rows]
             prof.samples = [0.0] * len(rows)
             prof.executed = [0.0] * len(rows)
+            prof.instruction_reasons = [Counter() for _ in rows]
         prof.launches += 1
         for i, r in enumerate(rows):
             prof.samples[i] += _number(r[at[SAMPLES]])
@@ -90,4 +126,26 @@ def parse(text: str) -> dict[str, SourceProfile]:
             for h in stalls:
                 if v := _number(r[at[h]]):
                     prof.reasons[h.removeprefix("stall_")] += v
+                    prof.instruction_reasons[i][h.removeprefix("stall_")] += v
     return profiles
+
+
+def main() -> int:
+    """A saved source page (ncu_mtp.py --source --pages) read into its phases, kernel by kernel."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("page", type=Path, help="ncu --page source --csv --print-source sass output")
+    parser.add_argument("--tokens", type=int, required=True, help="the cell's T (tokens a request)")
+    args = parser.parse_args()
+    for name, prof in parse(args.page.read_text()).items():
+        print(f"{name[:120]}: {prof.executed_per_launch() / 1e3:,.1f} thousand warp instructions a launch")
+        for ph in prof.phases(args.tokens):
+            stalls = ", ".join(f"{k} {v:.0f}%" for k, v in ph.reasons)
+            print(f"  {ph.name:16s} {ph.path:7.0f} instructions a warp, {ph.share:5.1f}% of samples ({stalls})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -62,3 +62,28 @@ def test_a_kernel_whose_launches_ran_different_code_is_refused():
 def test_a_page_without_samples_gives_nothing():
     assert ncu_source.parse('"Kernel Name","k",\n"Address","Source"\n"0x1","NOP"\n') == {}
     assert ncu_source.parse("==PROF== no kernels were profiled\n") == {}
+
+
+# A grid of 4 working warps (and 4 extra ones that return at once, as cu_seqlens' spare request's
+# do) and T = 3: a prefix all 8 warps run, straight code once a warp, a loop body once a token.
+PHASED = [("LDC R1, c[0x0][0x28]", 8, 8, 0, 0), ("LDG.E R2, desc[UR4][R2.64]", 30, 4, 0, 30),
+          ("IMAD R3, R2, R2, RZ", 2, 4, 0, 0), ("FFMA R1, R2, R3, R1", 40, 12, 0, 0),
+          ("SHFL.BFLY PT, R4, R1, 0x1, 0x1f", 10, 12, 0, 0), ("BAR.SYNC.DEFER_BLOCKING 0x0", 0, 4, 0, 0),
+          ("STG.E desc[UR4][R6.64], R1", 10, 4, 10, 0), ("EXIT", 0, 4, 0, 0)]
+
+
+def test_the_phases_split_one_warps_path_at_the_token_loop():
+    prof = ncu_source.parse(launch(STREAM, PHASED) + launch(STREAM, PHASED))[STREAM]
+    before, loop, after = prof.phases(tokens=3)
+    assert (before.name, loop.name, after.name) == ("before the loop", "token loop", "after the loop")
+    # The extra warps' prefix counts in the working warps' path (8 / 4), as it does in their samples.
+    assert before.path == 2 + 1 + 1 and loop.path == 3 + 3 and after.path == 3
+    assert (before.share, loop.share, after.share) == (40.0, 50.0, 10.0)
+    assert before.reasons == [("long_sb", 75.0)] and loop.reasons == [] and after.reasons == [("barrier", 100.0)]
+
+
+def test_without_a_loop_of_t_iterations_every_instruction_is_before_it():
+    prof = ncu_source.parse(launch(STREAM, PHASED))[STREAM]
+    before, loop, after = prof.phases(tokens=5)  # no instruction ran 5 times a warp
+    assert before.path == 2 + 1 + 1 + 3 + 3 + 3 and loop.path == after.path == 0
+    assert prof.phases(tokens=1)[1].path == 0  # T = 1: no loop to find
