@@ -55,16 +55,29 @@ class SourceProfile:
         return sum(self.executed) / self.launches if self.launches else 0.0
 
     def phases(self, tokens: int) -> list["Phase"]:
-        """One warp's path in three phases: the token loop (the instructions each working warp runs
-        once a token), what comes before it and what after. The working warps are the count most
-        instructions ran (straight-line code, once a warp: a grid's extra blocks that return at once
-        run few instructions); a phase's path is its executed instructions over them."""
+        """One warp's path in three phases: the token loop, what comes before it and what after.
+        The working warps are the count most instructions ran (straight-line code runs once a warp;
+        a grid's extra blocks that return at once run few instructions). With T > 1 the loop is the
+        heaviest run of instructions, in address order, that each ran at least twice a working warp
+        (unrolled or not: a kernel that takes two tokens an iteration runs its body T / 2 times);
+        never-run instructions between them do not break a run. A phase's path is its executed
+        instructions over the working warps."""
         counts = Counter(c for c in self.executed if c)
         if not counts:
             return []
         warps = counts.most_common(1)[0][0]
-        loop = [i for i, c in enumerate(self.executed) if c == tokens * warps] if tokens > 1 else []
-        first, last = (loop[0], loop[-1] + 1) if loop else (len(self.executed), len(self.executed))
+        first = last = len(self.executed)
+        if tokens > 1:
+            runs, run = [], []
+            for i, c in enumerate(self.executed):
+                if c >= 2 * warps:
+                    run.append(i)
+                elif c:
+                    runs, run = runs + [run] if run else runs, []
+            runs += [run] if run else []
+            if runs:
+                heaviest = max(runs, key=lambda r: sum(self.executed[i] for i in r))
+                first, last = heaviest[0], heaviest[-1] + 1
         spans = (("before the loop", 0, first), ("token loop", first, last), ("after the loop", last, len(self.executed)))
         return [self._phase(name, a, b, warps) for name, a, b in spans]
 

@@ -82,8 +82,20 @@ def test_the_phases_split_one_warps_path_at_the_token_loop():
     assert before.reasons == [("long_sb", 75.0)] and loop.reasons == [] and after.reasons == [("barrier", 100.0)]
 
 
-def test_without_a_loop_of_t_iterations_every_instruction_is_before_it():
+def test_an_unrolled_loop_is_found_and_one_token_has_none():
+    # The same body taking two tokens an iteration: at T = 6 it runs 3 times a warp, not 6.
     prof = ncu_source.parse(launch(STREAM, PHASED))[STREAM]
-    before, loop, after = prof.phases(tokens=5)  # no instruction ran 5 times a warp
+    before, loop, after = prof.phases(tokens=6)
+    assert before.path == 2 + 1 + 1 and loop.path == 3 + 3 and after.path == 3
+    before, loop, after = prof.phases(tokens=1)  # T = 1: no loop, whatever ran more than once
     assert before.path == 2 + 1 + 1 + 3 + 3 + 3 and loop.path == after.path == 0
-    assert prof.phases(tokens=1)[1].path == 0  # T = 1: no loop to find
+
+
+def test_the_loop_is_the_heaviest_run_not_the_first():
+    # A prefix that the grid's extra warps also run (twice the working warps' count) before the loop.
+    rows = [("LDC R1, c[0x0][0x28]", 1, 8, 0, 0), ("IMAD R2, R1, R1, RZ", 1, 8, 0, 0),
+            ("LDG.E R2, desc[UR4][R2.64]", 1, 4, 0, 1), ("NOP", 0, 0, 0, 0), ("FFMA R1, R2, R3, R1", 1, 16, 0, 0),
+            ("NOP", 0, 0, 0, 0), ("FFMA R1, R2, R3, R1", 1, 16, 0, 0), ("STG.E desc[UR4][R6.64], R1", 1, 4, 0, 0),
+            ("EXIT", 1, 4, 0, 0)]
+    before, loop, after = ncu_source.parse(launch(STREAM, rows))[STREAM].phases(tokens=4)
+    assert before.path == 2 + 2 + 1 and loop.path == 4 + 4 and after.path == 1 + 1
