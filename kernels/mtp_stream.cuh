@@ -487,7 +487,7 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
 // op's 389, its time bound by their dependent waits, not by the loads (ncu_mtp.py --source, H200,
 // 4/8 heads, B=1, T=8).
 __host__ __device__ __forceinline__ bool vllm_profile(const GdnDecodeParams& p) {
-  return p.dtype == DType::kBFloat16 && p.z_dtype == DType::kBFloat16 && p.gate_raw && p.g_dtype == DType::kBFloat16 &&
+  return p.dtype == DType::kBFloat16 && (p.gate_activation == 0 || p.z_dtype == DType::kBFloat16) && p.gate_raw && p.g_dtype == DType::kBFloat16 &&
          p.beta_raw && p.beta_dtype == DType::kBFloat16 && !p.idx_is_int64 && !p.cu_is_int64 && !p.accepted_is_int64 &&
          p.out_scale == nullptr && p.use_qk_l2norm;
 }
