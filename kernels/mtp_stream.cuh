@@ -146,9 +146,8 @@ __host__ __device__ constexpr bool late_epilogue_sums() {
 // STAGE_FIRST: the first pass's staging loads go out before the state's copies, not after
 // (kStreamStageFirstBuild: which calls take this build). TS: the tokens a pass stages
 // (kStreamTokens, or kStreamLongTokens). R: rows a chunk (kStreamRows, or kStreamShortRows).
-template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens,
-          int R = kStreamRows>
-__global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
+template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST, int TS, int R>
+__device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   using Sh = StreamShape<VK, K, ST, R>;
   constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV;
   static_assert(TS == kStreamTokens || (TS == kStreamLongTokens && K <= 128), "the long pass's staging fits 48 KB at K <= 128");
@@ -481,6 +480,43 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   }
 }
 
+// vLLM's GDN call as its layer makes it: bf16 q, k, v, z and out, raw bf16 gates a and b, int32
+// idx, cu_seqlens and num_accepted_tokens, q and k l2-normalised, no FP8 output. A build that takes
+// these as constants (VP) drops the branches each runtime dtype or index width costs where it is
+// read: at small grids a warp's path before its token loop ran 1,168 instructions against vLLM 0.34
+// op's 389, its time bound by their dependent waits, not by the loads (ncu_mtp.py --source, H200,
+// 4/8 heads, B=1, T=8).
+__host__ __device__ __forceinline__ bool vllm_profile(const GdnDecodeParams& p) {
+  return p.dtype == DType::kBFloat16 && (p.gate_activation == 0 || p.z_dtype == DType::kBFloat16) && p.gate_raw && p.g_dtype == DType::kBFloat16 &&
+         p.beta_raw && p.beta_dtype == DType::kBFloat16 && !p.idx_is_int64 && !p.cu_is_int64 && !p.accepted_is_int64 &&
+         p.out_scale == nullptr && p.use_qk_l2norm;
+}
+
+__device__ __forceinline__ GdnDecodeParams with_vllm_profile(GdnDecodeParams p) {
+  p.dtype = p.z_dtype = p.g_dtype = p.beta_dtype = DType::kBFloat16;
+  p.gate_raw = p.beta_raw = p.use_qk_l2norm = true;
+  p.idx_is_int64 = p.cu_is_int64 = p.accepted_is_int64 = false;
+  p.out_scale = nullptr;
+  return p;
+}
+
+template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens,
+          int R = kStreamRows, bool VP = false>
+__global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
+  // From sm_100 the profile's build spilled 80-88 bytes a thread at the 128-register cap (ptxas -v,
+  // shipped flags; sm_80 and sm_90a none): there it runs the generic body, and no GPU here times it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  constexpr bool kProfile = false;
+#else
+  constexpr bool kProfile = VP;
+#endif
+  if constexpr (kProfile) {
+    stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(with_vllm_profile(p));
+  } else {
+    stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(p);
+  }
+}
+
 // The streaming kernel's launch (launch_mtp_stream): a warp a chunk while the grid's warps number
 // at most 16 an SM; past that, blocks of 8 or of 4 warps, by the rounds each grid takes
 // (stream_block_warps). fp32 requests of at most two tokens take at most kMtpShortWideWarps a block
@@ -566,13 +602,16 @@ bool short_chunk_launch(const GdnDecodeParams& p) {
 template <bool VK, int K, typename ST>
 int launch_mtp_stream_short(const GdnDecodeParams& p, cudaStream_t stream) {
   constexpr int R = kStreamShortRows, W = kStreamShortWarps;
-  auto kernel = decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R>;
+  constexpr auto generic = decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R>;
+  constexpr auto fixed = decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R, true>;
+  const bool vp = vllm_profile(p);
   const unsigned groups = static_cast<unsigned>(p.V / (R * W));
   const int chunk_bytes = kStreamChunkRaws<VK, K, ST, R> * 32 * 16;
   const size_t ring = size_t(W) * stream_ring_depth(W, W, chunk_bytes) * chunk_bytes;
   const dim3 grid = request_head_grid(p, groups), block(W * 32), cluster(1, 1, p.gate_activation > 0 ? groups : 1u);
-  if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R>>(p.device, ring)) return err;
-  return launch_decode(kernel, grid, block, p, stream, ring, cluster);
+  const int err = vp ? allow_dynamic_smem<fixed>(p.device, ring) : allow_dynamic_smem<generic>(p.device, ring);
+  if (err) return err;
+  return launch_decode(vp ? fixed : generic, grid, block, p, stream, ring, cluster);
 }
 
 template <bool VK, int K, typename ST, int TS = kStreamTokens>

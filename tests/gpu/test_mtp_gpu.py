@@ -262,7 +262,7 @@ def test_the_checkpoint_columns_pick_the_build(tokens, staged):
     if staged is None:
         assert "decode_mtp_kernel<" in names[0], names
     else:
-        assert re.search(rf"decode_mtp_stream_kernel<.*,\s*{staged},\s*8>", names[0]), names
+        assert re.search(rf"decode_mtp_stream_kernel<.*,\s*{staged},\s*8,\s*false>", names[0]), names
 
 
 # The short-chunk build where requests x value heads <= SMs / 4, the 8-row build past that.
@@ -272,7 +272,38 @@ def test_the_grid_picks_the_rows_a_chunk(share, rows):
     n = max(1, int(share * sms / 8))
     names = _kernels_launched(mc.Case(H=4, N=n, tokens="T8", seed=812))
     assert len(names) == 1, names
-    assert re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*{rows}>", names[0]), names
+    assert re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*{rows},\s*(true|false)>", names[0]), names
+
+
+# The short-chunk build's vLLM profile (vllm_profile, kernels/mtp_stream.cuh): vLLM's call (bf16 q, k,
+# v, z, a, b and out, int32 indices, l2-normalised q and k) takes the build that holds those as
+# constants, with either state; a call off the profile in any one of them takes the generic build.
+# Both compute the same step.
+PROFILE = [(mc.Case(H=4, tokens="T8", seed=830), True),
+           (mc.Case(H=4, tokens="T4", state="fp32", slots="ckpt", epilogue="sigmoid", seed=831), True),
+           (mc.Case(H=4, tokens="varlen", epilogue="none", pool="contiguous", rule="negative", seed=832), True),
+           (mc.Case(H=4, tokens="T8", io="fp16", seed=833), False),
+           (mc.Case(H=4, tokens="T4", io="fp32", state="fp32", seed=834), False),
+           (mc.Case(H=4, tokens="T8", index="int64", seed=835), False),
+           (mc.Case(H=4, tokens="T8", gates="pre", seed=836), False),
+           (mc.Case(H=4, tokens="T8", l2norm=False, seed=837), False)]
+
+
+@pytest.mark.parametrize("case, fixed", PROFILE, ids=lambda x: mc.case_id(x) if isinstance(x, mc.Case) else str(x))
+def test_vllms_call_takes_the_short_chunk_build_of_its_profile(case, fixed):
+    case = mc.sized_for(0.25, case, torch.cuda.get_device_properties(0).multi_processor_count)
+    step = mc.build(case, DEVICE)
+    names = mc.kernels_launched(lambda: mc.call(case, step))
+    assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*4,\s*{str(fixed).lower()}>", names[0]), names
+    mc.run_and_check(case, DEVICE)
+
+
+def test_an_fp8_output_takes_the_generic_short_chunk_build():
+    case = mc.sized_for(0.25, mc.Case(H=4, tokens="T8", seed=838), torch.cuda.get_device_properties(0).multi_processor_count)
+    mc.check_fp8_output(case, DEVICE)
+    step, scale = mc.build(case, DEVICE), torch.tensor([0.02], device=DEVICE)
+    names = mc.kernels_launched(lambda: mc.fp8_call(case, step.t, step.state, scale, None))
+    assert len(names) == 1 and re.search(r"decode_mtp_stream_kernel<.*,\s*8,\s*4,\s*false>", names[0]), names
 
 
 # The few-token kernel (kernels/mtp_few.cuh): GDN, layout vk, K = 128. vLLM's call with one draft
