@@ -313,14 +313,13 @@ def main_source(args, so: str, reason: str, torch) -> int:
     phases = ["", "One warp's path (the working warps': the count most instructions ran) before, in and after "
               "the token loop: instructions · % of all samples · largest stalls (% of the phase's samples)", "",
               "| cell | impl | kernel | before the loop | token loop | after the loop |", "|---|---|---|---|---|---|"]
+    if args.pages:
+        args.pages.mkdir(parents=True, exist_ok=True)
     for cell in args.cells:
         for impl, kernels in SOURCE_KERNELS.items():
             if impl == report.VLLM_CUDA and not so:
                 continue
-            page = None
-            if args.pages:
-                args.pages.mkdir(parents=True, exist_ok=True)
-                page = args.pages / f"{cell[0]}-{cell[1]}-{cell[2]}-{impl}.csv"
+            page = args.pages / f"{cell[0]}-{cell[1]}-{cell[2]}-{impl}.csv" if args.pages else None
             profiles = profile_source(args.ncu, cell, args.calls, so, reason, kernels, page)
             lines += summarise_source(cell_label(cell), impl, profiles)
             phases += phase_rows(cell_label(cell), impl, cell[2], profiles)

@@ -12,6 +12,7 @@ import csv
 import io
 import re
 from collections import Counter
+from itertools import groupby
 from dataclasses import dataclass, field
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -29,12 +30,19 @@ class SourceProfile:
     instructions: list[str] = field(default_factory=list)  # SASS, in address order
     samples: list[float] = field(default_factory=list)  # per instruction
     executed: list[float] = field(default_factory=list)  # warp-level, per instruction
-    reasons: Counter = field(default_factory=Counter)  # stall reason -> samples
-    instruction_reasons: list[Counter] = field(default_factory=list)  # per instruction
+    instruction_reasons: list[Counter] = field(default_factory=list)  # stall reason -> samples, per instruction
 
     @property
     def total(self) -> float:
         return sum(self.samples)
+
+    @property
+    def reasons(self) -> Counter:
+        """Stall reason -> samples, over the whole kernel."""
+        return self._reasons(0, len(self.instruction_reasons))
+
+    def _reasons(self, a: int, b: int) -> Counter:
+        return sum(self.instruction_reasons[a:b], Counter())
 
     def reason_shares(self, top: int = 4) -> list[tuple[str, float]]:
         """The largest stall reasons, as percentages of all samples."""
@@ -68,13 +76,8 @@ class SourceProfile:
         warps = counts.most_common(1)[0][0]
         first = last = len(self.executed)
         if tokens > 1:
-            runs, run = [], []
-            for i, c in enumerate(self.executed):
-                if c >= 2 * warps:
-                    run.append(i)
-                elif c:
-                    runs, run = runs + [run] if run else runs, []
-            runs += [run] if run else []
+            ran = [(i, c) for i, c in enumerate(self.executed) if c]  # never-run ones do not break a run
+            runs = [[i for i, _ in run] for repeated, run in groupby(ran, key=lambda ic: ic[1] >= 2 * warps) if repeated]
             if runs:
                 heaviest = max(runs, key=lambda r: sum(self.executed[i] for i in r))
                 first, last = heaviest[0], heaviest[-1] + 1
@@ -82,9 +85,7 @@ class SourceProfile:
         return [self._phase(name, a, b, warps) for name, a, b in spans]
 
     def _phase(self, name: str, a: int, b: int, warps: float) -> "Phase":
-        reasons = Counter()
-        for r in self.instruction_reasons[a:b]:
-            reasons.update(r)
+        reasons = self._reasons(a, b)
         total = sum(self.samples[a:b])
         return Phase(name, sum(self.executed[a:b]) / warps, 100.0 * total / self.total if self.total else 0.0,
                      [(k, 100.0 * v / total) for k, v in reasons.most_common(3)] if total else [])
@@ -138,7 +139,6 @@ def parse(text: str) -> dict[str, SourceProfile]:
             prof.executed[i] += _number(r[at[EXECUTED]]) if EXECUTED in at else 0.0
             for h in stalls:
                 if v := _number(r[at[h]]):
-                    prof.reasons[h.removeprefix("stall_")] += v
                     prof.instruction_reasons[i][h.removeprefix("stall_")] += v
     return profiles
 

@@ -57,7 +57,6 @@ def test_the_phase_table_gives_each_kernel_its_path_before_in_and_after_the_loop
                                     samples=[6.0, 2.0, 1.0, 1.0], executed=[32.0, 64.0, 64.0, 32.0])
     prof.instruction_reasons = [ncu_source.Counter(long_sb=6), ncu_source.Counter(wait=2),
                                 ncu_source.Counter(wait=1), ncu_source.Counter(membar=1)]
-    prof.reasons = sum(prof.instruction_reasons, ncu_source.Counter())
     row, = ncu_mtp.phase_rows("bfloat16 B=1 T=2", "cudelta", 2, {kernel: prof})
     assert row == ("| bfloat16 B=1 T=2 | cudelta | decode_mtp_stream_kernel | 1 · 60% · long_sb 100 | "
                    "4 · 30% · wait 100 | 1 · 10% · membar 100 |")
