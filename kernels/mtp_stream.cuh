@@ -486,11 +486,18 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
 
 // vLLM's GDN call as its layer makes it: bf16 q, k, v, z and out, raw bf16 gates a and b, int32
 // idx, cu_seqlens and num_accepted_tokens, q and k l2-normalised, no FP8 output, and V = 128 (the
-// value heads of Qwen3-Next and Qwen3.5, whose short-chunk grid then is a constant). A build that takes
-// these as constants (VP) drops the branches each runtime dtype or index width costs where it is
-// read: at small grids a warp's path before its token loop ran 1,168 instructions against vLLM 0.34
-// op's 389, its time bound by their dependent waits, not by the loads (ncu_mtp.py --source, H200,
-// 4/8 heads, B=1, T=8).
+// value heads of Qwen3-Next and Qwen3.5). A build that takes these as constants (VP) drops the
+// branches each runtime dtype or index width costs where it is read: at small grids a warp's path
+// before its token loop ran 1,168 instructions against vLLM 0.34 op's 389, its time bound by their
+// dependent waits, not by the loads (ncu_mtp.py --source, H200, 4/8 heads, B=1, T=8). Two launches
+// take such a build: the short-chunk one, whose grid V = 128 makes a constant too (8 warps a block,
+// 4 row groups: no division for the ring's depth, a warp's chunks, an output's token and row), and
+// the staging-first one. H200, main's generic builds -> these, µs (benchmarks/results-vllm-profile-grid.md):
+// 4/8 heads B=1 bf16 T=4 / 8 6.6 / 9.15 -> 6.3 / 8.6, B=4 7.9 / 11.35 -> 7.6 / 10.7, fp32 B=4 T=8
+// 13.6 -> 12.45; 16/32 B=1 fp32 T=8 13.45 -> 12.2; staging-first, 16/32 bf16 B=4 T=4 / 8 11.35 /
+// 16.2 -> 10.4 / 15.0, B=8 16.85 / 26.45 -> 16.3 / 25.45. The 8-row build of larger grids gained
+// nothing so (H100, 16/32 heads, B=32-512: bf16 0.99-1.01x main's time, fp32 level) and spilled 4
+// bytes a thread at sm_90a (bf16) and 36 at sm_80 (fp32): it has none.
 constexpr int64_t kVllmProfileV = 128;
 inline bool vllm_profile(const GdnDecodeParams& p) {
   return p.dtype == DType::kBFloat16 && (p.gate_activation == 0 || p.z_dtype == DType::kBFloat16) && p.gate_raw && p.g_dtype == DType::kBFloat16 &&
@@ -594,7 +601,8 @@ constexpr int kMtpMaxClusterGroups = 8;
 // fp32 state +4-5% from T=4 at B=4-128 (B=4 T=2 -1%). One kernel with both orders lost 3-8% from
 // B=32 with 4 and more tokens (ptxas's allocation at the 128-register cap), so the order is a
 // separate build; row groups (B=1) did not gain. On an H100 the build gains at B=6 and 8 with every
-// token count: T=2 6%, T=4 2-3%, T=8 1.5-2% (benchmarks/results-h100-mtp.md).
+// token count: T=2 6%, T=4 2-3%, T=8 1.5-2% (benchmarks/results-h100-mtp.md). vLLM's own call takes
+// its profile build (vllm_profile).
 constexpr int kStreamStageFirstSmWarps = 32;
 template <bool VK, int K, typename ST>
 constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, float>;
