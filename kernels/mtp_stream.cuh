@@ -146,7 +146,10 @@ __host__ __device__ constexpr bool late_epilogue_sums() {
 // STAGE_FIRST: the first pass's staging loads go out before the state's copies, not after
 // (kStreamStageFirstBuild: which calls take this build). TS: the tokens a pass stages
 // (kStreamTokens, or kStreamLongTokens). R: rows a chunk (kStreamRows, or kStreamShortRows).
-template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST, int TS, int R>
+// FW, FG: the launch's warps a block and row groups a head, where the build holds them as constants
+// (0: blockDim and gridDim.z), so that the ring's depth, a warp's chunks and an output's token and
+// row are constants, not divisions (the vLLM profile's builds, decode_mtp_stream_kernel).
+template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST, int TS, int R, int FW = 0, int FG = 0>
 __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   using Sh = StreamShape<VK, K, ST, R>;
   constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV;
@@ -162,7 +165,8 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   __shared__ int64_t s_dst[TS];
   __shared__ float s_o[TS][kStreamMaxV<K>], s_v[TS][kStreamMaxV<K>];
   pdl_wait_early(p);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = FW > 0 ? FW : blockDim.x / 32;
+  const unsigned threads = FW > 0 ? FW * 32u : blockDim.x;
   const int group = lane - lane % LPR, mine = (lane % LPR) / F;
   const bool writer = lane % F == 0;
   const int64_t n = block_request(p), hv = block_head(p), h = qk_head(p, static_cast<uint32_t>(hv));
@@ -170,14 +174,14 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   // The head's rows in gridDim.z groups, a block each (small grids: more SMs share a head). The
   // epilogue's mean over V then needs every group's sums: the launch makes the blocks of a head a
   // cluster (launch_mtp_stream) and they exchange them through distributed shared memory.
-  const int groups = static_cast<int>(gridDim.z), chunks = V / R / groups, c0 = static_cast<int>(blockIdx.z) * chunks;
+  const int groups = FG > 0 ? FG : static_cast<int>(gridDim.z), chunks = V / R / groups, c0 = static_cast<int>(blockIdx.z) * chunks;
   const int row0 = c0 * R, rows = chunks * R;
   const bool clustered = groups > 1 && cluster_size() > 1;
   const bool epilogue = p.gate_activation > 0 && (groups == 1 || clustered);
   constexpr bool kLateSums = late_epilogue_sums<ST>();
 
   auto zero_rows = [&](int64_t first, int64_t end) {
-    for (int64_t i = threadIdx.x; i < (end - first) * rows; i += blockDim.x)
+    for (int64_t i = threadIdx.x; i < (end - first) * rows; i += threads)
       store_out_zero(p, (first + i / rows) * p.out_stride_n + hv * p.out_stride_h + row0 + i % rows);
   };
   int64_t bos, len, start;
@@ -228,7 +232,7 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
     if (epilogue) {
 #pragma unroll
       for (int j = 0; j < ZPT; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
+        const int i = threadIdx.x + j * threads;
         const bool mine_i = i < tg * rows;
         const int t = mine_i ? i / rows : 0, v = row0 + (mine_i ? i % rows : 0);
         z_bits[j] = mine_i ? load_bits(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v) : 0u;
@@ -453,14 +457,14 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
       };
 #pragma unroll
       for (int j = 0; j < ZPT; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
+        const int i = threadIdx.x + j * threads;
         if (i >= tg * rows) break;
         const int t = i / rows, v = row0 + i % rows;
         const float z = widen_bits(z_bits[j], p.z_dtype), w = widen_bits(w_bits[j], p.norm_weight_dtype);
         store_out(p, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
                 gated_rms_norm(p, s_o[t][v], sumsq(t), w, z));
       }
-      for (int i = threadIdx.x + ZPT * blockDim.x; i < tg * rows; i += blockDim.x) {  // long passes on few warps
+      for (int i = threadIdx.x + ZPT * threads; i < tg * rows; i += threads) {  // long passes on few warps
         const int t = i / rows, v = row0 + i % rows;
         const float z = load_f(p.z, p.z_dtype, (bos + g0 + t) * p.z_stride_n + hv * p.z_stride_h + v);
         store_out(p, (bos + g0 + t) * p.out_stride_n + hv * p.out_stride_h + v,
@@ -481,15 +485,24 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
 }
 
 // vLLM's GDN call as its layer makes it: bf16 q, k, v, z and out, raw bf16 gates a and b, int32
-// idx, cu_seqlens and num_accepted_tokens, q and k l2-normalised, no FP8 output. A build that takes
-// these as constants (VP) drops the branches each runtime dtype or index width costs where it is
-// read: at small grids a warp's path before its token loop ran 1,168 instructions against vLLM 0.34
-// op's 389, its time bound by their dependent waits, not by the loads (ncu_mtp.py --source, H200,
-// 4/8 heads, B=1, T=8).
-__host__ __device__ __forceinline__ bool vllm_profile(const GdnDecodeParams& p) {
+// idx, cu_seqlens and num_accepted_tokens, q and k l2-normalised, no FP8 output, and V = 128 (the
+// value heads of Qwen3-Next and Qwen3.5). A build that takes these as constants (VP) drops the
+// branches each runtime dtype or index width costs where it is read: at small grids a warp's path
+// before its token loop ran 1,168 instructions against vLLM 0.34 op's 389, its time bound by their
+// dependent waits, not by the loads (ncu_mtp.py --source, H200, 4/8 heads, B=1, T=8). Two launches
+// take such a build: the short-chunk one, whose grid V = 128 makes a constant too (8 warps a block,
+// 4 row groups: no division for the ring's depth, a warp's chunks, an output's token and row), and
+// the staging-first one. H200, main's generic builds -> these, µs (benchmarks/results-vllm-profile-grid.md):
+// 4/8 heads B=1 bf16 T=4 / 8 6.6 / 9.15 -> 6.3 / 8.6, B=4 7.9 / 11.35 -> 7.6 / 10.7, fp32 B=4 T=8
+// 13.6 -> 12.45; 16/32 B=1 fp32 T=8 13.45 -> 12.2; staging-first, 16/32 bf16 B=4 T=4 / 8 11.35 /
+// 16.2 -> 10.4 / 15.0, B=8 16.85 / 26.45 -> 16.3 / 25.45. The 8-row build of larger grids gained
+// nothing so (H100, 16/32 heads, B=32-512: bf16 0.99-1.01x main's time, fp32 level) and spilled 4
+// bytes a thread at sm_90a (bf16) and 36 at sm_80 (fp32): it has none.
+constexpr int64_t kVllmProfileV = 128;
+inline bool vllm_profile(const GdnDecodeParams& p) {
   return p.dtype == DType::kBFloat16 && (p.gate_activation == 0 || p.z_dtype == DType::kBFloat16) && p.gate_raw && p.g_dtype == DType::kBFloat16 &&
          p.beta_raw && p.beta_dtype == DType::kBFloat16 && !p.idx_is_int64 && !p.cu_is_int64 && !p.accepted_is_int64 &&
-         p.out_scale == nullptr && p.use_qk_l2norm;
+         p.out_scale == nullptr && p.use_qk_l2norm && p.V == kVllmProfileV;
 }
 
 __device__ __forceinline__ GdnDecodeParams with_vllm_profile(GdnDecodeParams p) {
@@ -511,7 +524,19 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   constexpr bool kProfile = VP;
 #endif
   if constexpr (kProfile) {
-    stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(with_vllm_profile(p));
+    const GdnDecodeParams fixed = with_vllm_profile(p);
+    if constexpr (R == kStreamShortRows) {
+      // The short-chunk launch's geometry too (launch_mtp_stream_short), which V = 128 fixes.
+      GdnDecodeParams grid = fixed;
+      grid.K = K;
+      grid.V = kVllmProfileV;
+      stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R, kStreamShortWarps, kVllmProfileV / (R * kStreamShortWarps)>(grid);
+    } else {
+      // The staging-first launch (launch_mtp_stream): its geometry as constants too spilled 12-52 bytes
+      // a thread (ptxas -v, sm_90a), its dtypes and index widths alone none.
+      static_assert(STAGE_FIRST, "the profile's builds: short-chunk and staging-first");
+      stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(fixed);
+    }
   } else {
     stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(p);
   }
@@ -576,7 +601,8 @@ constexpr int kMtpMaxClusterGroups = 8;
 // fp32 state +4-5% from T=4 at B=4-128 (B=4 T=2 -1%). One kernel with both orders lost 3-8% from
 // B=32 with 4 and more tokens (ptxas's allocation at the 128-register cap), so the order is a
 // separate build; row groups (B=1) did not gain. On an H100 the build gains at B=6 and 8 with every
-// token count: T=2 6%, T=4 2-3%, T=8 1.5-2% (benchmarks/results-h100-mtp.md).
+// token count: T=2 6%, T=4 2-3%, T=8 1.5-2% (benchmarks/results-h100-mtp.md). vLLM's own call takes
+// its profile build (vllm_profile).
 constexpr int kStreamStageFirstSmWarps = 32;
 template <bool VK, int K, typename ST>
 constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, float>;
@@ -663,9 +689,11 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
   const dim3 cluster(1, 1, epilogue ? static_cast<unsigned>(groups) : 1u);
   if constexpr (kStreamStageFirstBuild<VK, K, ST> && TS == kStreamTokens) {
     if (!p.g_per_channel && groups == 1 && grid_warps <= kStreamStageFirstSmWarps * sms) {
-      auto first = decode_mtp_stream_kernel<VK, K, ST, false, true>;
-      if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, true>>(p.device, ring)) return err;
-      return launch_decode(first, grid, block, p, stream, ring, cluster);
+      constexpr auto generic = decode_mtp_stream_kernel<VK, K, ST, false, true>;
+      constexpr auto fixed = decode_mtp_stream_kernel<VK, K, ST, false, true, kStreamTokens, kStreamRows, true>;
+      const bool vp = vllm_profile(p);
+      if (const int err = vp ? allow_dynamic_smem<fixed>(p.device, ring) : allow_dynamic_smem<generic>(p.device, ring)) return err;
+      return launch_decode(vp ? fixed : generic, grid, block, p, stream, ring, cluster);
     }
   }
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, false, TS>>(p.device, ring)) return err;

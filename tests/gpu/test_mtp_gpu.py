@@ -33,14 +33,14 @@ each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Ne
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8, varying T, and up to 9
 tokens a request (vLLM 0.34's most) (7). Beyond those: T = 1 with the epilogue only (12), vLLM's T =
 1 call in every range of the one-token launch rule (16), the streaming kernel's row groups on small
-grids (5), its staging-first build (8), the few-token kernel in each range of its launch rule (14)
+grids (5), its staging-first build with vLLM's profile and off it (10), the few-token kernel in each range of its launch rule (14)
 and in clusters of 4 and 2 blocks a head (5), the epilogue against the reference's epilogue of the
 unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
 (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU tensors
 (6, one with nine tokens a request), 9-16 checkpoint columns on the streaming kernel's long-pass
 build and 17 on the resident kernel (11), which build the columns pick (4, from the kernel names the
 profiler records), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-154 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
+176 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
 the float64 loop) is most of the rest, a few seconds for the largest engine batch.
 """
 
@@ -174,23 +174,32 @@ def test_a_head_split_in_row_groups_computes_the_same_step(case):
 # a bf16 state in layout vk and one block a head, which vLLM's call takes at Qwen3-Next's heads
 # (HV = 32) when the (request, value head) pairs number between half the SMs and twice the SMs: a warp
 # a chunk up to the SMs (share 0.9), 8-warp blocks of two chunks a warp past them (share 1.9). N from
-# this GPU's SM count.
-STAGE_FIRST = [(0.9, mc.Case(H=16, tokens="T2", seed=560)), (0.9, mc.Case(H=16, tokens="T4", seed=561)),
-               (0.9, mc.Case(H=16, tokens="T8", seed=562)),
-               (0.9, mc.Case(H=16, tokens="T2", slots="ckpt", epilogue="none", seed=563)),
-               (0.9, mc.Case(H=16, tokens="T4", slots="final", pool="contiguous", seed=564)),
-               (1.9, mc.Case(H=16, tokens="T2", seed=565)), (1.9, mc.Case(H=16, tokens="T8", seed=566)),
-               (1.9, mc.Case(H=16, tokens="T4", slots="ckpt", epilogue="none", seed=567))]
+# this GPU's SM count; 3-8 tokens (with 2 the few-token kernel takes these grids). vLLM's call takes
+# the build of its profile (vllm_profile: the kernel's last template argument true), a call off it
+# (fp16 io, int64 indices) the generic one.
+STAGE_FIRST = [(0.9, mc.Case(H=16, tokens="T3", seed=560), True), (0.9, mc.Case(H=16, tokens="T4", seed=561), True),
+               (0.9, mc.Case(H=16, tokens="T8", seed=562), True),
+               (0.9, mc.Case(H=16, tokens="T3", slots="ckpt", epilogue="none", seed=563), True),
+               (0.9, mc.Case(H=16, tokens="T4", slots="final", pool="contiguous", seed=564), True),
+               (1.9, mc.Case(H=16, tokens="T3", seed=565), True), (1.9, mc.Case(H=16, tokens="T8", seed=566), True),
+               (1.9, mc.Case(H=16, tokens="T4", slots="ckpt", epilogue="none", seed=567), True),
+               (0.9, mc.Case(H=16, tokens="T4", io="fp16", seed=568), False),
+               (1.9, mc.Case(H=16, tokens="T8", index="int64", epilogue="sigmoid", seed=569), False)]
 
 
-@pytest.mark.parametrize("share, case", STAGE_FIRST, ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x))
-def test_the_staging_first_build_computes_the_same_step(share, case):
+@pytest.mark.parametrize("share, case, profile", STAGE_FIRST,
+                         ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x) if isinstance(x, mc.Case) else str(x))
+def test_the_staging_first_build_computes_the_same_step(share, case, profile):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pairs = case.H * case.group
     n = max(1, int(share * sms / pairs))
     assert sms / 2 < n * pairs <= 2 * sms  # inside the build's range of the launch rule
     assert (n * pairs <= sms) == (share < 1)  # a warp a chunk, or 8-warp blocks past the SMs
-    mc.run_and_check(replace(case, N=n), DEVICE)
+    case = replace(case, N=n)
+    step = mc.build(case, DEVICE)
+    names = mc.kernels_launched(lambda: mc.call(case, step))
+    assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*false,\s*true,\s*8,\s*8,\s*{str(profile).lower()}>", names[0]), names
+    mc.run_and_check(case, DEVICE)
 
 
 # The streaming kernel's long-pass build (kernels/mtp_stream.cuh, kStreamLongTokens): idx [N, C] with
@@ -276,7 +285,7 @@ def test_the_grid_picks_the_rows_a_chunk(share, rows):
 
 
 # The short-chunk build's vLLM profile (vllm_profile, kernels/mtp_stream.cuh): vLLM's call (bf16 q, k,
-# v, z, a, b and out, int32 indices, l2-normalised q and k) takes the build that holds those as
+# v, z, a, b and out, int32 indices, l2-normalised q and k, V = 128) takes the build that holds those as
 # constants, with either state; a call off the profile in any one of them takes the generic build.
 # Both compute the same step.
 PROFILE = [(mc.Case(H=4, tokens="T8", seed=830), True),
@@ -286,7 +295,8 @@ PROFILE = [(mc.Case(H=4, tokens="T8", seed=830), True),
            (mc.Case(H=4, tokens="T4", io="fp32", state="fp32", seed=834), False),
            (mc.Case(H=4, tokens="T8", index="int64", seed=835), False),
            (mc.Case(H=4, tokens="T8", gates="pre", seed=836), False),
-           (mc.Case(H=4, tokens="T8", l2norm=False, seed=837), False)]
+           (mc.Case(H=4, tokens="T8", l2norm=False, seed=837), False),
+           (mc.Case(H=4, tokens="T8", V=64, seed=839), False)]
 
 
 @pytest.mark.parametrize("case, fixed", PROFILE, ids=lambda x: mc.case_id(x) if isinstance(x, mc.Case) else str(x))
