@@ -505,12 +505,14 @@ inline bool vllm_profile(const GdnDecodeParams& p) {
          p.out_scale == nullptr && p.use_qk_l2norm && p.V == kVllmProfileV;
 }
 
-__device__ __forceinline__ GdnDecodeParams with_vllm_profile(GdnDecodeParams p) {
+// The profile's fields as its builds hold them. Every field set here is one vllm_profile asks for
+// (z's dtype where the call has an epilogue; without one z is not read), so a call in the profile
+// runs with the values it had: tests/unit/test_vllm_profile.py flips each byte of such a call.
+__host__ __device__ __forceinline__ void fix_vllm_profile(GdnDecodeParams& p) {
   p.dtype = p.z_dtype = p.g_dtype = p.beta_dtype = DType::kBFloat16;
   p.gate_raw = p.beta_raw = p.use_qk_l2norm = true;
   p.idx_is_int64 = p.cu_is_int64 = p.accepted_is_int64 = false;
   p.out_scale = nullptr;
-  return p;
 }
 
 template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens,
@@ -524,7 +526,8 @@ __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeP
   constexpr bool kProfile = VP;
 #endif
   if constexpr (kProfile) {
-    const GdnDecodeParams fixed = with_vllm_profile(p);
+    GdnDecodeParams fixed = p;
+    fix_vllm_profile(fixed);
     if constexpr (R == kStreamShortRows) {
       // The short-chunk launch's geometry too (launch_mtp_stream_short), which V = 128 fixes.
       GdnDecodeParams grid = fixed;

@@ -138,11 +138,9 @@ ONE_TOKEN_RANGES = ([("gdn", state, x, "silu") for state in ("bf16", "fp32") for
 
 @pytest.mark.parametrize("kind,state,pairs_per_sm,epilogue", ONE_TOKEN_RANGES)
 def test_one_token_calls_in_every_range_of_the_launch_rule(kind, state, pairs_per_sm, epilogue):
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = mc.Case(kind=kind, H=16 if kind == "gdn" else 32, group=2 if kind == "gdn" else 1, tokens="single",
                    state=state, epilogue=epilogue, seed=530)
-    n = max(1, int(pairs_per_sm * sms / (case.H * case.group)))
-    mc.run_and_check(replace(case, N=n), DEVICE)
+    mc.run_and_check(mc.sized_for(pairs_per_sm, case, torch.cuda.get_device_properties(0).multi_processor_count), DEVICE)
 
 
 # The streaming kernel's row groups (kernels/mtp_stream.cuh, launch_mtp_stream): while a block a head would
@@ -191,11 +189,10 @@ STAGE_FIRST = [(0.9, mc.Case(H=16, tokens="T3", seed=560), True), (0.9, mc.Case(
                          ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x) if isinstance(x, mc.Case) else str(x))
 def test_the_staging_first_build_computes_the_same_step(share, case, profile):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pairs = case.H * case.group
-    n = max(1, int(share * sms / pairs))
-    assert sms / 2 < n * pairs <= 2 * sms  # inside the build's range of the launch rule
-    assert (n * pairs <= sms) == (share < 1)  # a warp a chunk, or 8-warp blocks past the SMs
-    case = replace(case, N=n)
+    case = mc.sized_for(share, case, sms)
+    pairs = case.N * case.H * case.group
+    assert sms / 2 < pairs <= 2 * sms  # inside the build's range of the launch rule
+    assert (pairs <= sms) == (share < 1)  # a warp a chunk, or 8-warp blocks past the SMs
     step = mc.build(case, DEVICE)
     names = mc.kernels_launched(lambda: mc.call(case, step))
     assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*false,\s*true,\s*8,\s*8,\s*{str(profile).lower()}>", names[0]), names
@@ -277,9 +274,8 @@ def test_the_checkpoint_columns_pick_the_build(tokens, staged):
 # The short-chunk build where requests x value heads <= SMs / 4, the 8-row build past that.
 @pytest.mark.parametrize("share, rows", [(0.25, 4), (1.0, 8)])
 def test_the_grid_picks_the_rows_a_chunk(share, rows):
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = max(1, int(share * sms / 8))
-    names = _kernels_launched(mc.Case(H=4, N=n, tokens="T8", seed=812))
+    case = mc.sized_for(share, mc.Case(H=4, tokens="T8", seed=812), torch.cuda.get_device_properties(0).multi_processor_count)
+    names = _kernels_launched(case)
     assert len(names) == 1, names
     assert re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*{rows},\s*(true|false)>", names[0]), names
 
