@@ -4,15 +4,11 @@ kernel and still pass. Here the rule itself (kernels/mtp_few.cuh, few_token_call
 host program, answers for every batch of a grid of calls and the copy must give the same answers;
 so does the rule of its clusters (few_cluster_blocks, against mtp_cases.few_cluster_blocks)."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from installer.core import shipped
-from installer.detect import toolchain
+from host_probe import run_host_probe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/mtp_cases.py
 import mtp_cases as mc  # noqa: E402
@@ -37,14 +33,7 @@ int main() {
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory) -> list[tuple[int, int, bool, int, bool, int]]:
     """(SMs, idx columns, fp32, pairs, takes the few-token kernel, its cluster blocks) a call."""
-    tmp_path = tmp_path_factory.mktemp("few_rule")
-    toolkit, why_not = toolchain.find_cuda("linux", os.environ)  # the nvcc a local build would use
-    if toolkit is None:
-        pytest.skip(why_not)
-    (tmp_path / "probe.cu").write_text(PROBE)
-    subprocess.run([toolkit.nvcc, "-std=c++17", "-I", str(shipped.SOURCE_ROOT / "kernels"), "-o", str(tmp_path / "probe"),
-                    str(tmp_path / "probe.cu")], check=True, capture_output=True, text=True)
-    lines = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split("\n")
+    lines = run_host_probe(PROBE, tmp_path_factory.mktemp("few_rule")).split("\n")
     return [(int(a), int(b), c == "1", int(d), e == "1", int(f)) for a, b, c, d, e, f in (line.split() for line in lines
                                                                                        if line)]
 

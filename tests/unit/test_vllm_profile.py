@@ -6,13 +6,8 @@ byte away from vLLM's: each that vllm_profile still takes must be left as it was
 fix_vllm_profile (z's dtype aside where there is no epilogue: z is not read). A copy of the fix
 that sets one field more (the norm weight's dtype) shows the check catches such a drift."""
 
-import os
-import subprocess
-
 import pytest
-
-from installer.core import shipped
-from installer.detect import toolchain
+from host_probe import run_host_probe
 
 PROBE = r"""
 #include <cstdio>
@@ -66,14 +61,7 @@ int main() {
 def answers(tmp_path_factory) -> list[tuple[int, int, bool, bool]]:
     """(epilogue, flipped byte (-1: none), the fix leaves the call as it was, the drifted fix does) for
     each call vllm_profile takes."""
-    tmp_path = tmp_path_factory.mktemp("vllm_profile")
-    toolkit, why_not = toolchain.find_cuda("linux", os.environ)  # the nvcc a local build would use
-    if toolkit is None:
-        pytest.skip(why_not)
-    (tmp_path / "probe.cu").write_text(PROBE)
-    subprocess.run([toolkit.nvcc, "-std=c++17", "-I", str(shipped.SOURCE_ROOT / "kernels"), "-o", str(tmp_path / "probe"),
-                    str(tmp_path / "probe.cu")], check=True, capture_output=True, text=True)
-    out = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout
+    out = run_host_probe(PROBE, tmp_path_factory.mktemp("vllm_profile"))
     return [(int(a), int(i), u == "1", d == "1") for a, i, u, d in (line.split() for line in out.splitlines())]
 
 
