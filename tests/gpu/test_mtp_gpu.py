@@ -193,8 +193,7 @@ def test_the_staging_first_build_computes_the_same_step(share, case, profile):
     pairs = case.N * case.H * case.group
     assert sms / 2 < pairs <= 2 * sms  # inside the build's range of the launch rule
     assert (pairs <= sms) == (share < 1)  # a warp a chunk, or 8-warp blocks past the SMs
-    step = mc.build(case, DEVICE)
-    names = mc.kernels_launched(lambda: mc.call(case, step))
+    names = _kernels_launched(case)
     assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*false,\s*true,\s*8,\s*8,\s*{str(profile).lower()}>", names[0]), names
     mc.run_and_check(case, DEVICE)
 
@@ -298,8 +297,7 @@ PROFILE = [(mc.Case(H=4, tokens="T8", seed=830), True),
 @pytest.mark.parametrize("case, fixed", PROFILE, ids=lambda x: mc.case_id(x) if isinstance(x, mc.Case) else str(x))
 def test_vllms_call_takes_the_short_chunk_build_of_its_profile(case, fixed):
     case = mc.sized_for(0.25, case, torch.cuda.get_device_properties(0).multi_processor_count)
-    step = mc.build(case, DEVICE)
-    names = mc.kernels_launched(lambda: mc.call(case, step))
+    names = _kernels_launched(case)
     assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*4,\s*{str(fixed).lower()}>", names[0]), names
     mc.run_and_check(case, DEVICE)
 
