@@ -226,7 +226,12 @@ __device__ __forceinline__ void few_step(const GdnDecodeParams& p) {
 }
 
 // VP: the build of vLLM's call (vllm_profile): its dtypes, index widths and V = 128 as constants,
-// and so the block's warps. From sm_100 it compiles the generic body, as the streaming kernel's.
+// and so the block's warps; in the fp32 build of 16 rows a warp and two tokens outside clusters the
+// dtypes alone (its geometry too spilled 4 bytes a thread, ptxas -v at sm_90a). From sm_100 it
+// compiles the generic body, as the streaming kernel's. H100, main's generic build -> these, µs
+// (benchmarks/results-few-token-profile.md): T = 2 at 4/8 heads B=1 bf16 6.0 -> 4.7, fp32 6.15 ->
+// 4.8, B=16 bf16 8.9 -> 7.4; 16/32 heads B=1 bf16 6.8 -> 5.4, B=8 13.1 -> 10.9; fp32 T = 4 16/32
+// B=4 19.0 -> 17.15 (vLLM 0.34's op 5.8, 6.1, 9.55, 6.95, 13.6, 19.95).
 template <int K, typename ST, int BW, int TT, int CL = 1, bool F8 = false, bool VP = false>
 __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
@@ -238,9 +243,12 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
   if constexpr (kProfile) {
     GdnDecodeParams fixed = p;
     fix_vllm_profile(fixed);
-    fixed.K = K;
-    fixed.V = kVllmProfileV;
-    few_step<K, ST, BW, TT, CL, F8, kVllmProfileV / CL / BW>(fixed);
+    constexpr bool kGeometry = !(std::is_same_v<ST, float> && BW == 16 && TT == 2 && CL == 1);
+    if constexpr (kGeometry) {
+      fixed.K = K;
+      fixed.V = kVllmProfileV;
+    }
+    few_step<K, ST, BW, TT, CL, F8, kGeometry ? kVllmProfileV / CL / BW : 0>(fixed);
   } else {
     few_step<K, ST, BW, TT, CL, F8>(p);
   }
