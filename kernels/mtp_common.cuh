@@ -266,5 +266,42 @@ inline dim3 request_head_grid(const GdnDecodeParams& p, unsigned z = 1) {
   return dim3(request_blocks(p) * static_cast<unsigned>(p.HV), 1, z);
 }
 
+// vLLM's GDN call as its layer makes it: bf16 q, k, v, z and out, raw bf16 gates a and b, int32
+// idx, cu_seqlens and num_accepted_tokens, q and k l2-normalised, no FP8 output, and V = 128 (the
+// value heads of Qwen3-Next and Qwen3.5). A build that takes these as constants (the "profile"
+// builds: the streaming kernel's VP, the few-token kernel's) drops the branches each runtime dtype
+// or index width costs where it is read. In small grids those are the time: a warp's path before
+// its token loop ran 1,168 instructions against vLLM 0.34 op's 389, bound by their dependent
+// waits, not by the loads (ncu_mtp.py --source, H200, 4/8 heads, B=1, T=8).
+constexpr int64_t kVllmProfileV = 128;
+inline bool vllm_profile(const GdnDecodeParams& p) {
+  return p.dtype == DType::kBFloat16 && (p.gate_activation == 0 || p.z_dtype == DType::kBFloat16) && p.gate_raw && p.g_dtype == DType::kBFloat16 &&
+         p.beta_raw && p.beta_dtype == DType::kBFloat16 && !p.idx_is_int64 && !p.cu_is_int64 && !p.accepted_is_int64 &&
+         p.out_scale == nullptr && p.use_qk_l2norm && p.V == kVllmProfileV;
+}
+
+// The profile's fields as its builds hold them. Every field set here is one vllm_profile asks for
+// (z's dtype where the call has an epilogue; without one z is not read), so a call in the profile
+// runs with the values it had: tests/unit/test_vllm_profile.py flips each byte of such a call. V is
+// set by the builds whose geometry holds it (it spilled in the staging-first one).
+__host__ __device__ __forceinline__ void fix_vllm_profile(GdnDecodeParams& p) {
+  p.dtype = p.z_dtype = p.g_dtype = p.beta_dtype = DType::kBFloat16;
+  p.gate_raw = p.beta_raw = p.use_qk_l2norm = true;
+  p.idx_is_int64 = p.cu_is_int64 = p.accepted_is_int64 = false;
+  p.out_scale = nullptr;
+}
+
+// The kernel a launch takes: the profile build for vLLM's call, the generic one for any other (the
+// dynamic shared memory set on the one launched).
+template <auto Generic, auto Profile>
+int launch_profile_or_generic(const GdnDecodeParams& p, dim3 grid, dim3 block, cudaStream_t stream, size_t smem = 0,
+                              dim3 cluster = dim3(1, 1, 1)) {
+  const bool vp = vllm_profile(p);
+  if (smem > 0) {
+    if (const int err = vp ? allow_dynamic_smem<Profile>(p.device, smem) : allow_dynamic_smem<Generic>(p.device, smem)) return err;
+  }
+  return launch_decode(vp ? Profile : Generic, grid, block, p, stream, smem, cluster);
+}
+
 }  // namespace
 }  // namespace cudelta

@@ -32,8 +32,9 @@ constexpr int kFewRows = 16;
 // block from every block's sums. F8: the build of the epilogue's FP8 output (p.out_scale), apart so
 // that the builds of v's dtype stay as they were (one store for both spilled 8-12 bytes in the token
 // steps, sm_90a fp32 and sm_100 bf16).
-template <int K, typename ST, int BW, int TT, int CL = 1, bool F8 = false>
-__global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
+// FW: the block's warps as a constant (the profile build: V = 128 fixes them), 0 = read blockDim.
+template <int K, typename ST, int BW, int TT, int CL, bool F8, int FW = 0>
+__device__ __forceinline__ void few_step(const GdnDecodeParams& p) {
   using C = Chunk<ST>;
   using Raw = typename C::Raw;
   using Sh = WarpShape<K, ST, BW>;
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
   __shared__ float s_sumsq[TT][16];
   __shared__ float s_cl[TT][CL];
   pdl_wait_early(p);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = FW > 0 ? FW : static_cast<int>(blockDim.x / 32);
   const int l = lane % LPR, r = lane / LPR;
   const int64_t n = block_request(p), hv = block_head(p);
   const int V = static_cast<int>(p.V);
@@ -224,6 +225,35 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
   }
 }
 
+// VP: the build of vLLM's call (vllm_profile): its dtypes, index widths and V = 128 as constants,
+// and so the block's warps; in the fp32 build of 16 rows a warp and two tokens outside clusters the
+// dtypes alone (its geometry too spilled 4 bytes a thread, ptxas -v at sm_90a). From sm_100 it
+// compiles the generic body, as the streaming kernel's. H100, main's generic build -> these, µs
+// (benchmarks/results-few-token-profile.md): T = 2 at 4/8 heads B=1 bf16 6.0 -> 4.7, fp32 6.15 ->
+// 4.8, B=16 bf16 8.9 -> 7.4; 16/32 heads B=1 bf16 6.8 -> 5.4, B=8 13.1 -> 10.9; fp32 T = 4 16/32
+// B=4 19.0 -> 17.15 (vLLM 0.34's op 5.8, 6.1, 9.55, 6.95, 13.6, 19.95).
+template <int K, typename ST, int BW, int TT, int CL = 1, bool F8 = false, bool VP = false>
+__global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  constexpr bool kProfile = false;
+#else
+  constexpr bool kProfile = VP;
+#endif
+  static_assert(!VP || !F8, "vLLM's call has no FP8 output");
+  if constexpr (kProfile) {
+    GdnDecodeParams fixed = p;
+    fix_vllm_profile(fixed);
+    constexpr bool kGeometry = !(std::is_same_v<ST, float> && BW == 16 && TT == 2 && CL == 1);
+    if constexpr (kGeometry) {
+      fixed.K = K;
+      fixed.V = kVllmProfileV;
+    }
+    few_step<K, ST, BW, TT, CL, F8, kGeometry ? kVllmProfileV / CL / BW : 0>(fixed);
+  } else {
+    few_step<K, ST, BW, TT, CL, F8>(p);
+  }
+}
+
 // Where a call takes the few-token kernel: GDN, layout vk, K = 128, V whole tiles of 16 rows, at
 // most kMaxOneRows, and
 //   idx [N, 2] (at most two tokens a request): with a bf16 state in grids of at most 2 (request,
@@ -256,17 +286,22 @@ bool few_token_call(const GdnDecodeParams& p) {
   return pairs <= wave || (fp32 && pairs <= kFewMaxPairsPerSm * sms && full_waves);
 }
 
+// vLLM's call (no FP8 output) takes the profile build (VP), any other the generic one.
 template <typename ST, int BW, int TT, bool F8>
 int launch_vk_few_rows(const GdnDecodeParams& p, cudaStream_t stream) {
-  return launch_decode(decode_vk_few_kernel<128, ST, BW, TT, 1, F8>, request_head_grid(p),
-                       dim3(static_cast<unsigned>(p.V / BW) * 32), p, stream);
+  const dim3 grid = request_head_grid(p), block(static_cast<unsigned>(p.V / BW) * 32);
+  constexpr auto generic = decode_vk_few_kernel<128, ST, BW, TT, 1, F8>;
+  if constexpr (F8) return launch_decode(generic, grid, block, p, stream);
+  else return launch_profile_or_generic<generic, decode_vk_few_kernel<128, ST, BW, TT, 1, false, true>>(p, grid, block, stream);
 }
 
 // A head's rows in clusters of CL blocks along z (few_cluster_blocks: sm_90+ images, the epilogue).
 template <typename ST, int BW, int TT, int CL, bool F8>
 int launch_vk_few_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
-  return launch_decode(decode_vk_few_kernel<128, ST, BW, TT, CL, F8>, request_head_grid(p, CL),
-                       dim3(static_cast<unsigned>(p.V / CL / BW) * 32), p, stream, 0, dim3(1, 1, CL));
+  const dim3 grid = request_head_grid(p, CL), block(static_cast<unsigned>(p.V / CL / BW) * 32), cluster(1, 1, CL);
+  constexpr auto generic = decode_vk_few_kernel<128, ST, BW, TT, CL, F8>;
+  if constexpr (F8) return launch_decode(generic, grid, block, p, stream, 0, cluster);
+  else return launch_profile_or_generic<generic, decode_vk_few_kernel<128, ST, BW, TT, CL, false, true>>(p, grid, block, stream, 0, cluster);
 }
 
 // Blocks a head's rows take, in a thread block cluster, in the few-token kernel: 4 or 2 where that

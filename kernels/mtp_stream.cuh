@@ -484,37 +484,15 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   }
 }
 
-// vLLM's GDN call as its layer makes it: bf16 q, k, v, z and out, raw bf16 gates a and b, int32
-// idx, cu_seqlens and num_accepted_tokens, q and k l2-normalised, no FP8 output, and V = 128 (the
-// value heads of Qwen3-Next and Qwen3.5). A build that takes these as constants (VP) drops the
-// branches each runtime dtype or index width costs where it is read: at small grids a warp's path
-// before its token loop ran 1,168 instructions against vLLM 0.34 op's 389, its time bound by their
-// dependent waits, not by the loads (ncu_mtp.py --source, H200, 4/8 heads, B=1, T=8). Two launches
-// take such a build: the short-chunk one, whose grid V = 128 makes a constant too (8 warps a block,
-// 4 row groups: no division for the ring's depth, a warp's chunks, an output's token and row), and
-// the staging-first one. H200, main's generic builds -> these, µs (benchmarks/results-vllm-profile-grid.md):
-// 4/8 heads B=1 bf16 T=4 / 8 6.6 / 9.15 -> 6.3 / 8.6, B=4 7.9 / 11.35 -> 7.6 / 10.7, fp32 B=4 T=8
-// 13.6 -> 12.45; 16/32 B=1 fp32 T=8 13.45 -> 12.2; staging-first, 16/32 bf16 B=4 T=4 / 8 11.35 /
-// 16.2 -> 10.4 / 15.0, B=8 16.85 / 26.45 -> 16.3 / 25.45. The 8-row build of larger grids gained
-// nothing so (H100, 16/32 heads, B=32-512: bf16 0.99-1.01x main's time, fp32 level) and spilled 4
-// bytes a thread at sm_90a (bf16) and 36 at sm_80 (fp32): it has none.
-constexpr int64_t kVllmProfileV = 128;
-inline bool vllm_profile(const GdnDecodeParams& p) {
-  return p.dtype == DType::kBFloat16 && (p.gate_activation == 0 || p.z_dtype == DType::kBFloat16) && p.gate_raw && p.g_dtype == DType::kBFloat16 &&
-         p.beta_raw && p.beta_dtype == DType::kBFloat16 && !p.idx_is_int64 && !p.cu_is_int64 && !p.accepted_is_int64 &&
-         p.out_scale == nullptr && p.use_qk_l2norm && p.V == kVllmProfileV;
-}
-
-// The profile's fields as its builds hold them. Every field set here is one vllm_profile asks for
-// (z's dtype where the call has an epilogue; without one z is not read), so a call in the profile
-// runs with the values it had: tests/unit/test_vllm_profile.py flips each byte of such a call.
-__host__ __device__ __forceinline__ void fix_vllm_profile(GdnDecodeParams& p) {
-  p.dtype = p.z_dtype = p.g_dtype = p.beta_dtype = DType::kBFloat16;
-  p.gate_raw = p.beta_raw = p.use_qk_l2norm = true;
-  p.idx_is_int64 = p.cu_is_int64 = p.accepted_is_int64 = false;
-  p.out_scale = nullptr;
-}
-
+// The streaming kernel's profile builds (VP; vllm_profile, mtp_common.cuh): the short-chunk launch,
+// whose grid V = 128 makes a constant too (8 warps a block, 4 row groups: no division for the ring's
+// depth, a warp's chunks, an output's token and row), and the staging-first one. H200, main's
+// generic builds -> these, µs (benchmarks/results-vllm-profile-grid.md): 4/8 heads B=1 bf16 T=4 / 8
+// 6.6 / 9.15 -> 6.3 / 8.6, B=4 7.9 / 11.35 -> 7.6 / 10.7, fp32 B=4 T=8 13.6 -> 12.45; 16/32 B=1
+// fp32 T=8 13.45 -> 12.2; staging-first, 16/32 bf16 B=4 T=4 / 8 11.35 / 16.2 -> 10.4 / 15.0, B=8
+// 16.85 / 26.45 -> 16.3 / 25.45. The 8-row build of larger grids gained nothing so (H100, 16/32
+// heads, B=32-512: bf16 0.99-1.01x main's time, fp32 level) and spilled 4 bytes a thread at sm_90a
+// (bf16) and 36 at sm_80 (fp32): it has none.
 template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens,
           int R = kStreamRows, bool VP = false>
 __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
@@ -633,14 +611,11 @@ int launch_mtp_stream_short(const GdnDecodeParams& p, cudaStream_t stream) {
   constexpr int R = kStreamShortRows, W = kStreamShortWarps;
   constexpr auto generic = decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R>;
   constexpr auto fixed = decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R, true>;
-  const bool vp = vllm_profile(p);
   const unsigned groups = static_cast<unsigned>(p.V / (R * W));
   const int chunk_bytes = kStreamChunkRaws<VK, K, ST, R> * 32 * 16;
   const size_t ring = size_t(W) * stream_ring_depth(W, W, chunk_bytes) * chunk_bytes;
   const dim3 grid = request_head_grid(p, groups), block(W * 32), cluster(1, 1, p.gate_activation > 0 ? groups : 1u);
-  const int err = vp ? allow_dynamic_smem<fixed>(p.device, ring) : allow_dynamic_smem<generic>(p.device, ring);
-  if (err) return err;
-  return launch_decode(vp ? fixed : generic, grid, block, p, stream, ring, cluster);
+  return launch_profile_or_generic<generic, fixed>(p, grid, block, stream, ring, cluster);
 }
 
 template <bool VK, int K, typename ST, int TS = kStreamTokens>
@@ -694,9 +669,7 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
     if (!p.g_per_channel && groups == 1 && grid_warps <= kStreamStageFirstSmWarps * sms) {
       constexpr auto generic = decode_mtp_stream_kernel<VK, K, ST, false, true>;
       constexpr auto fixed = decode_mtp_stream_kernel<VK, K, ST, false, true, kStreamTokens, kStreamRows, true>;
-      const bool vp = vllm_profile(p);
-      if (const int err = vp ? allow_dynamic_smem<fixed>(p.device, ring) : allow_dynamic_smem<generic>(p.device, ring)) return err;
-      return launch_decode(vp ? fixed : generic, grid, block, p, stream, ring, cluster);
+      return launch_profile_or_generic<generic, fixed>(p, grid, block, stream, ring, cluster);
     }
   }
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, false, TS>>(p.device, ring)) return err;

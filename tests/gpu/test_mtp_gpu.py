@@ -366,6 +366,34 @@ def test_the_few_token_kernel_in_clusters_computes_the_same_step(share, blocks, 
     mc.run_and_check(case, DEVICE)
 
 
+# The few-token kernel's builds of vLLM's profile (vllm_profile, kernels/mtp_common.cuh): vLLM's call
+# takes, in each of that kernel's builds, the one that holds its dtypes, index widths and V = 128 as
+# constants (the kernel's last template argument true); a call off the profile in any of them the
+# generic one. The build: a warp's rows, the columns it takes and the blocks of a cluster (BW, TT,
+# CL). Both compute the same step.
+FEW_PROFILE = [(0.25, "8, 2, 4", mc.Case(H=16, tokens="T2", seed=840), True),
+               (0.5, "8, 2, 2", mc.Case(H=16, tokens="varlen2", epilogue="sigmoid", seed=841), True),
+               (0.9, "8, 2, 1", mc.Case(H=16, tokens="T2", epilogue="none", pool="contiguous", seed=842), True),
+               (1.9, "16, 2, 1", mc.Case(H=16, tokens="T2", slots="ckpt", seed=843), True),
+               (0.25, "4, 2, 4", mc.Case(H=4, tokens="T2", state="fp32", seed=844), True),
+               (0.98, "16, 4, 1", mc.Case(H=4, tokens="T4", state="fp32", seed=845), True),
+               (0.25, "8, 2, 4", mc.Case(H=16, tokens="T2", io="fp16", seed=846), False),
+               (0.9, "8, 2, 1", mc.Case(H=16, tokens="T2", epilogue="none", index="int64", seed=847), False),
+               (0.98, "16, 4, 1", mc.Case(H=4, tokens="T4", state="fp32", gates="pre", seed=848), False),
+               (0.25, "4, 2, 4", mc.Case(H=4, tokens="T2", state="fp32", V=64, seed=849), False)]
+
+
+@pytest.mark.parametrize("share, build, case, profile", FEW_PROFILE,
+                         ids=lambda x: f"{x}sms" if isinstance(x, float) else mc.case_id(x) if isinstance(x, mc.Case) else str(x))
+def test_vllms_call_takes_the_few_token_build_of_its_profile(share, build, case, profile):
+    if not build.endswith(", 1") and torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("the few-token kernel's clusters are built for sm_90+ images")
+    case = mc.sized_for(share, case, torch.cuda.get_device_properties(0).multi_processor_count)
+    names = _kernels_launched(case)
+    assert len(names) == 1 and re.search(rf"decode_vk_few_kernel<128,\s*\w+,\s*{build},\s*false,\s*{str(profile).lower()}>", names[0]), names
+    mc.run_and_check(case, DEVICE)
+
+
 # vLLM's call, and dense tokens with checkpoints in KDA on the other layout
 FUSED = [mc.Case(seed=510),
          mc.Case(kind="kda", tokens="T4", slots="ckpt", layout="kv", state="fp32", epilogue="sigmoid", seed=511)]

@@ -1,10 +1,11 @@
-"""The vLLM profile's builds (kernels/mtp_stream.cuh) run a call with fix_vllm_profile's constants in
-place of the call's own fields; vllm_profile decides which calls take them. Were fix_vllm_profile to
-set a field that vllm_profile does not ask for, a call that differs there would take the build and
-run with a value it never had. Here both, compiled into a host program, meet every call one flipped
-byte away from vLLM's: each that vllm_profile still takes must be left as it was by
-fix_vllm_profile (z's dtype aside where there is no epilogue: z is not read). A copy of the fix
-that sets one field more (the norm weight's dtype) shows the check catches such a drift."""
+"""The vLLM profile's builds (kernels/mtp_common.cuh; the streaming and few-token kernels have them)
+run a call with fix_vllm_profile's constants in place of the call's own fields; vllm_profile decides
+which calls take them. Were fix_vllm_profile to set a field that vllm_profile does not ask for, a
+call that differs there would take the build and run with a value it never had. Here both, compiled
+into a host program, meet every call one flipped byte away from vLLM's: each that vllm_profile still
+takes must be left as it was by fix_vllm_profile (z's dtype aside where there is no epilogue: z is
+not read). A copy of the fix that sets one field more (the norm weight's dtype) shows the check
+catches such a drift."""
 
 import pytest
 from host_probe import run_host_probe
@@ -12,7 +13,7 @@ from host_probe import run_host_probe
 PROBE = r"""
 #include <cstdio>
 #include <cstring>
-#include "mtp_stream.cuh"
+#include "mtp_common.cuh"
 using cudelta::DType;
 using cudelta::GdnDecodeParams;
 
