@@ -45,7 +45,7 @@ def test_the_few_token_kernel_s_fp8_builds_round_as_the_reference_rounds(share, 
     mc.check_fp8_output(case, DEVICE)
     step, scale = mc.build(case, DEVICE), torch.tensor([0.02], device=DEVICE)
     names = mc.kernels_launched(lambda: mc.fp8_call(case, step.t, step.state, scale, None))
-    assert len(names) == 1 and re.search(r"decode_vk_few_kernel<[^>]*, true>", names[0]), names
+    assert len(names) == 1 and re.search(r"decode_vk_few_kernel<[^>]*, true, false>", names[0]), names
 
 
 @pytest.mark.parametrize("scale", mc.FP8_SCALES, ids=[repr(s) for s in mc.FP8_SCALES])
