@@ -473,6 +473,7 @@ void decode(const DecodeArgs& x) {
   p.pdl = x.pdl && info.cuda_arch >= 900;
   p.early_state = p.pdl && x.early_state;
   p.clusters = info.cuda_arch >= 900;
+  p.image_arch = info.cuda_arch;
   p.tokens = x.tokens;
   p.L = L;
   if (varlen) {

@@ -79,6 +79,9 @@ struct GdnDecodeParams {
   bool early_state;
   // The image is sm_90+: a launch may group its blocks in thread block clusters (mtp_stream.cuh).
   bool clusters;
+  // __CUDA_ARCH__ of the image the driver loaded (e.g. 900): a launch rule measured on one
+  // architecture's builds holds there only (mtp_few.cuh's few_token_call). 0 where unknown.
+  int image_arch;
 
   // Several tokens per request (speculative decoding; kernels/mtp.cuh). q, k, v, the gates, the
   // output gate and out are then rows of tokens: their *_stride_n step from one token to the next.

@@ -257,8 +257,9 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 // Where a call takes the few-token kernel: GDN, layout vk, K = 128, V whole tiles of 16 rows, at
 // most kMaxOneRows, and
 //   idx [N, 2] (at most two tokens a request): with a bf16 state in grids of at most 2 (request,
-//     value head) pairs an SM; with fp32 in one wave of its 8-warp blocks (two an SM) or in waves
-//     that fill at least 90% of the last, up to kFewMaxPairsPerSm pairs an SM;
+//     value head) pairs an SM; with fp32, and with bf16 for vLLM's call on an sm_90 image, in one
+//     wave of its 8-warp blocks (two an SM) or in waves that fill at least 90% of the last, up to
+//     kFewMaxPairsPerSm pairs an SM;
 //   idx [N, 3..4], fp32 state: the same waves, from 90% of the SMs (a pair an SM) up to
 //     kFewMaxPairsPerSm4 pairs an SM.
 // Elsewhere the streaming kernel. H200, 16/32 heads (benchmarks/results-h200-mtp.md), µs, streaming
@@ -271,11 +272,21 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 // / 383.5), but T = 4 B=1 / 2 (each token's inputs a round trip, on fewer SMs than the streaming
 // kernel's row groups use) 10.9 / 11.9 -> 15.0 / 15.05; bf16 T = 4 slower at every batch (B=4 / 8
 // / 128 11.6 / 17.25 / 193.4 -> 12.3 / 18.55 / 240.7), T = 8 at all but fp32 B=8.
+// The profile build (vLLM's call, decode_vk_few_kernel's VP) took bf16 T = 2 past two pairs an SM
+// too: H100, 16/32 heads, streaming -> this kernel, µs: B=16 / 32 / 128 / 512 23.05 / 41.7 / 152.4 /
+// 581.5 -> 20.7 / 39.6 / 146.2 / 578.15, 4/8 heads B=128 / 512 42.4 / 155.0 -> 39.95 / 149.3
+// (vLLM 0.34's op 23.5 / 43.05 / 153.9 / 600.2, 43.2 / 156.0; benchmarks/results-few-token-profile.md).
+// Measured on an sm_90 GPU (an H100; not yet on an H200) and taken on sm_90 images only
+// (kFewProfileWavesArch): from sm_100 the profile build compiles the generic body. Its bf16 build
+// of four tokens gained 1-11% as well (B=4-128 at 16/32 heads, B=16-512 at 4/8) but spilled 124
+// bytes a thread at sm_90a: not taken.
 constexpr int kFewMaxPairsPerSm = 128;
 constexpr int kFewMaxPairsPerSm4 = 32;
+constexpr int kFewProfileWavesArch = 900;
 template <typename ST>
 bool few_token_call(const GdnDecodeParams& p) {
   constexpr bool fp32 = std::is_same_v<ST, float>;
+  const bool in_waves = fp32 || (vllm_profile(p) && p.image_arch == kFewProfileWavesArch);
   if (p.idx_columns < 2 || p.idx_columns > (fp32 ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
       p.V % 16 != 0 || p.V > kMaxOneRows)
     return false;
@@ -283,7 +294,7 @@ bool few_token_call(const GdnDecodeParams& p) {
   const int64_t waves = (pairs + wave - 1) / wave;
   const bool full_waves = pairs <= wave || pairs * 10 >= waves * wave * 9;
   if (p.idx_columns > 2) return pairs * 10 >= sms * 9 && pairs <= kFewMaxPairsPerSm4 * sms && full_waves;
-  return pairs <= wave || (fp32 && pairs <= kFewMaxPairsPerSm * sms && full_waves);
+  return pairs <= wave || (in_waves && pairs <= kFewMaxPairsPerSm * sms && full_waves);
 }
 
 // vLLM's call (no FP8 output) takes the profile build (VP), any other the generic one.

@@ -56,15 +56,26 @@ VARLEN_COUNTS = {"varlen": VARLEN, "varlen1": (1, 0, 1, 1, 1, 1), "varlen2": (2,
                  "varlen4": (4, 0, 3, 1, 4, 2), "varlen9": (9, 0, 9, 2, 1, 9)}
 
 
-def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int) -> bool:
-    """kernels/mtp_few.cuh's few_token_call for vLLM's call (GDN, layout vk, K = V = 128) with idx
-    [N, columns] and `pairs` (request, value head) pairs on `sms` SMs: which kernel a GPU test's
-    case reaches (tests/unit/test_few_token_rule.py holds this to the C++)."""
+def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int, profile_on_sm90: bool = False) -> bool:
+    """kernels/mtp_few.cuh's few_token_call for a GDN call (layout vk, K = V = 128) with idx [N,
+    columns] and `pairs` (request, value head) pairs on `sms` SMs: which kernel a GPU test's case
+    reaches (tests/unit/test_few_token_rule.py holds this to the C++). profile_on_sm90: the call is
+    vLLM's exact one (in_vllm_profile) and the GPU loads an sm_90 image (capability 9.0), where a
+    bf16 state at two tokens takes fp32's waves."""
     wave = 2 * sms
     full_waves = pairs <= wave or pairs * 10 >= -(-pairs // wave) * wave * 9
     if columns > 2:
         return fp32 and columns <= 4 and pairs * 10 >= sms * 9 and pairs <= 32 * sms and full_waves
-    return columns == 2 and (pairs <= wave or (fp32 and pairs <= 128 * sms and full_waves))
+    waves = fp32 or profile_on_sm90
+    return columns == 2 and (pairs <= wave or (waves and pairs <= 128 * sms and full_waves))
+
+
+def in_vllm_profile(case: "Case") -> bool:
+    """Whether the case's call is vLLM's exact one as kernels/mtp_common.cuh's vllm_profile asks it:
+    GDN with bf16 io, raw gates, int32 indices, l2-normalised q and k, V = 128 (no FP8 output: the
+    FP8 tests make that call apart)."""
+    return (case.kind == "gdn" and case.io == "bf16" and case.gates == "raw" and case.index == "int32" and case.l2norm
+            and case.V == 128)
 
 
 def few_cluster_blocks(pairs: int, sms: int, fp32: bool, columns: int, epilogue: bool, V: int = 128) -> int:

@@ -310,6 +310,11 @@ def test_an_fp8_output_takes_the_generic_short_chunk_build():
     assert len(names) == 1 and re.search(r"decode_mtp_stream_kernel<.*,\s*8,\s*4,\s*false>", names[0]), names
 
 
+def _profile_on_sm90(case) -> bool:
+    """vLLM's exact call on a GPU that loads the sm_90 image (mc.takes_the_few_token_kernel)."""
+    return mc.in_vllm_profile(case) and torch.cuda.get_device_capability(0) == (9, 0)
+
+
 # The few-token kernel (kernels/mtp_few.cuh): GDN, layout vk, K = 128. vLLM's call with one draft
 # token (idx [N, 2]) in grids of at most two (request, value head) pairs an SM (8 rows a warp where a
 # bf16 state's pairs fit the SMs once: share 0.9; 16 past them: 1.9) and, with an fp32 state, in
@@ -339,7 +344,7 @@ def test_the_few_token_kernel_computes_the_same_step(share, case):
     pairs = case.N * case.H * case.group
     columns = max(mc.token_lens(case)) + (1 if case.columns == "T+1" else 0)
     assert columns in (2, 3, 4)  # idx [N, 2], [N, 3] or [N, 4]
-    assert mc.takes_the_few_token_kernel(pairs, sms, case.state == "fp32", columns)
+    assert mc.takes_the_few_token_kernel(pairs, sms, case.state == "fp32", columns, _profile_on_sm90(case))
     assert (pairs <= sms) == (share < 1) and (pairs > 2 * sms) == (share > 2)
     mc.run_and_check(case, DEVICE)
 
@@ -360,7 +365,7 @@ def test_the_few_token_kernel_in_clusters_computes_the_same_step(share, blocks, 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = mc.sized_for(share, case, sms)
     pairs = case.N * case.H * case.group
-    assert mc.takes_the_few_token_kernel(pairs, sms, case.state == "fp32", 2)
+    assert mc.takes_the_few_token_kernel(pairs, sms, case.state == "fp32", 2, _profile_on_sm90(case))
     if mc.few_cluster_blocks(pairs, sms, case.state == "fp32", 2, epilogue=True) != blocks:
         pytest.skip(f"{blocks} blocks a pair of {pairs} pairs do not fit this GPU's {sms} SMs")
     mc.run_and_check(case, DEVICE)
@@ -370,8 +375,10 @@ def test_the_few_token_kernel_in_clusters_computes_the_same_step(share, blocks, 
 # takes, in each of that kernel's builds, the one that holds its dtypes, index widths and V = 128 as
 # constants (the kernel's last template argument true); a call off the profile in any of them the
 # generic one. The build: a warp's rows, the columns it takes and the blocks of a cluster (BW, TT,
-# CL). Both compute the same step.
+# CL). Both compute the same step. On an sm_90 image vLLM's call with a bf16 state takes the kernel
+# past two (request, value head) pairs an SM too (share 3.9), elsewhere the streaming kernel.
 FEW_PROFILE = [(0.25, "8, 2, 4", mc.Case(H=16, tokens="T2", seed=840), True),
+               (3.9, "16, 2, 1", mc.Case(H=16, tokens="T2", seed=850), True),
                (0.5, "8, 2, 2", mc.Case(H=16, tokens="varlen2", epilogue="sigmoid", seed=841), True),
                (0.9, "8, 2, 1", mc.Case(H=16, tokens="T2", epilogue="none", pool="contiguous", seed=842), True),
                (1.9, "16, 2, 1", mc.Case(H=16, tokens="T2", slots="ckpt", seed=843), True),
@@ -388,7 +395,11 @@ FEW_PROFILE = [(0.25, "8, 2, 4", mc.Case(H=16, tokens="T2", seed=840), True),
 def test_vllms_call_takes_the_few_token_build_of_its_profile(share, build, case, profile):
     if not build.endswith(", 1") and torch.cuda.get_device_capability(0) < (9, 0):
         pytest.skip("the few-token kernel's clusters are built for sm_90+ images")
-    case = mc.sized_for(share, case, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    case = mc.sized_for(share, case, sms)
+    columns = max(mc.token_lens(case))
+    if not mc.takes_the_few_token_kernel(case.N * case.H * case.group, sms, case.state == "fp32", columns, _profile_on_sm90(case)):
+        pytest.skip("a bf16 state past two pairs an SM takes the few-token kernel on sm_90 images only")
     names = _kernels_launched(case)
     assert len(names) == 1 and re.search(rf"decode_vk_few_kernel<128,\s*\w+,\s*{build},\s*false,\s*{str(profile).lower()}>", names[0]), names
     mc.run_and_check(case, DEVICE)

@@ -16,39 +16,49 @@ import mtp_cases as mc  # noqa: E402
 PROBE = r"""
 #include <cstdio>
 #include "mtp_few.cuh"
+// call: 0 a call off vLLM's profile (its dtypes left zero), 1 vLLM's call on an sm_90 image, 2 on sm_100.
 int main() {
   for (int sms : {114, 132}) for (int cols = 0; cols <= 5; ++cols) for (int fp32 = 0; fp32 < 2; ++fp32)
-    for (int n = 1; n <= 2200; n += n < 600 ? 1 : 7) {
+    for (int call = 0; call < 3; ++call) for (int n = 1; n <= 2200; n += n < 600 ? 1 : 7) {
       cudelta::GdnDecodeParams p{};
       p.idx_columns = cols; p.state_vk = true; p.K = 128; p.V = 128; p.H = 4; p.HV = 8; p.N = n; p.sm_count = sms;
       p.clusters = true; p.gate_activation = 1;
+      if (call > 0) {
+        p.dtype = p.z_dtype = p.g_dtype = p.beta_dtype = cudelta::DType::kBFloat16;
+        p.gate_raw = p.beta_raw = p.use_qk_l2norm = true;
+        p.image_arch = call == 1 ? 900 : 1000;
+      }
       const bool takes = fp32 ? cudelta::few_token_call<float>(p) : cudelta::few_token_call<__nv_bfloat16>(p);
       const int cl = fp32 ? cudelta::few_cluster_blocks<float>(p) : cudelta::few_cluster_blocks<__nv_bfloat16>(p);
-      std::printf("%d %d %d %lld %d %d\n", sms, cols, fp32, static_cast<long long>(p.N * p.HV), int(takes), cl);
+      std::printf("%d %d %d %d %lld %d %d\n", sms, cols, fp32, call, static_cast<long long>(p.N * p.HV), int(takes), cl);
     }
 }
 """
 
 
 @pytest.fixture(scope="module")
-def answers(tmp_path_factory) -> list[tuple[int, int, bool, int, bool, int]]:
-    """(SMs, idx columns, fp32, pairs, takes the few-token kernel, its cluster blocks) a call."""
+def answers(tmp_path_factory) -> list[tuple[int, int, bool, int, int, bool, int]]:
+    """(SMs, idx columns, fp32, call (0 off vLLM's profile, 1 vLLM's on sm_90, 2 on sm_100), pairs,
+    takes the few-token kernel, its cluster blocks) a call."""
     lines = run_host_probe(PROBE, tmp_path_factory.mktemp("few_rule")).split("\n")
-    return [(int(a), int(b), c == "1", int(d), e == "1", int(f)) for a, b, c, d, e, f in (line.split() for line in lines
-                                                                                       if line)]
+    return [(int(a), int(b), c == "1", int(d), int(e), f == "1", int(g))
+            for a, b, c, d, e, f, g in (line.split() for line in lines if line)]
 
 
 def test_the_tests_copy_of_the_few_token_rule_is_the_rule(answers):
-    assert len(answers) == 2 * 6 * 2 * (599 + len(range(600, 2201, 7)))
+    assert len(answers) == 2 * 6 * 2 * 3 * (599 + len(range(600, 2201, 7)))
     # The grid reaches every side of the rule: both kinds of call taken and refused, each cap crossed.
-    assert {(cols, fp32) for _, cols, fp32, _, takes, _ in answers if takes} == {(2, False), (2, True), (3, True),
-                                                                              (4, True)}
-    assert any(pairs > 128 * sms for sms, cols, fp32, pairs, _, _ in answers if cols == 2 and fp32)
-    differ = [a for a in answers if mc.takes_the_few_token_kernel(a[3], a[0], a[2], a[1]) != a[4]]
+    assert {(cols, fp32) for _, cols, fp32, _, _, takes, _ in answers if takes} == {(2, False), (2, True), (3, True),
+                                                                                 (4, True)}
+    assert any(pairs > 128 * sms for sms, cols, fp32, _, pairs, _, _ in answers if cols == 2 and fp32)
+    # bf16 past two pairs an SM: vLLM's call on sm_90 only
+    assert {call for sms, cols, fp32, call, pairs, takes, _ in answers if cols == 2 and not fp32 and pairs > 2 * sms
+            and takes} == {1}
+    differ = [a for a in answers if mc.takes_the_few_token_kernel(a[4], a[0], a[2], a[1], profile_on_sm90=a[3] == 1) != a[5]]
     assert differ == []
 
 
 def test_the_tests_copy_of_the_few_token_cluster_rule_is_the_rule(answers):
     assert {cl for *_, cl in answers} == {1, 2, 4}  # each size reached, both SM counts
-    differ = [a for a in answers if mc.few_cluster_blocks(a[3], a[0], a[2], a[1], epilogue=True) != a[5]]
+    differ = [a for a in answers if mc.few_cluster_blocks(a[4], a[0], a[2], a[1], epilogue=True) != a[6]]
     assert differ == []
