@@ -397,9 +397,12 @@ def test_vllms_call_takes_the_few_token_build_of_its_profile(share, build, case,
         pytest.skip("the few-token kernel's clusters are built for sm_90+ images")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = mc.sized_for(share, case, sms)
-    columns = max(mc.token_lens(case))
-    if not mc.takes_the_few_token_kernel(case.N * case.H * case.group, sms, case.state == "fp32", columns, _profile_on_sm90(case)):
+    pairs, columns, fp32 = case.N * case.H * case.group, max(mc.token_lens(case)), case.state == "fp32"
+    if not mc.takes_the_few_token_kernel(pairs, sms, fp32, columns, _profile_on_sm90(case)):
         pytest.skip("a bf16 state past two pairs an SM takes the few-token kernel on sm_90 images only")
+    blocks = mc.few_cluster_blocks(pairs, sms, fp32, columns, epilogue=case.epilogue != "none", V=case.V)
+    if int(build.split(", ")[2]) != blocks:
+        pytest.skip(f"{pairs} pairs take clusters of {blocks} blocks on this GPU's {sms} SMs")
     names = _kernels_launched(case)
     assert len(names) == 1 and re.search(rf"decode_vk_few_kernel<128,\s*\w+,\s*{build},\s*false,\s*{str(profile).lower()}>", names[0]), names
     mc.run_and_check(case, DEVICE)
