@@ -33,14 +33,15 @@ each, and K != V twice); ENGINE, 6 engine batches (1 to 128 requests at Qwen3-Ne
 its TP=4 split and HV = 64); VLLM_CALLS, vLLM's own call at T = 1, 2, 4, 8, varying T, and up to 9
 tokens a request (vLLM 0.34's most) (7). Beyond those: T = 1 with the epilogue only (12), vLLM's T =
 1 call in every range of the one-token launch rule (16), the streaming kernel's row groups on small
-grids (5), its staging-first build with vLLM's profile and off it (10), the few-token kernel in each range of its launch rule (14)
-and in clusters of 4 and 2 blocks a head (5), the epilogue against the reference's epilogue of the
+grids (5), its staging-first build with vLLM's profile and off it (10), the few-token kernel in each
+range of its launch rule (14), in clusters of 4 and 2 blocks a head (5) and in each of its builds
+with vLLM's profile and off it (11), the epilogue against the reference's epilogue of the
 unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
 (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU tensors
 (6, one with nine tokens a request), 9-16 checkpoint columns on the streaming kernel's long-pass
 build and 17 on the resident kernel (11), which build the columns pick (4, from the kernel names the
 profiler records), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-176 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
+187 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
 the float64 loop) is most of the rest, a few seconds for the largest engine batch.
 """
 
