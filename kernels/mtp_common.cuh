@@ -291,6 +291,28 @@ __host__ __device__ __forceinline__ void fix_vllm_profile(GdnDecodeParams& p) {
   p.out_scale = nullptr;
 }
 
+// Whether this compile pass gives the profile builds their fixed body. From sm_100 they compile the
+// generic one: there the streaming kernel's spilled 80-88 bytes a thread at the 128-register cap
+// (ptxas -v, shipped flags; sm_80 and sm_90a none), and no GPU here times either kernel's.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr bool kProfileBodies = false;
+#else
+constexpr bool kProfileBodies = true;
+#endif
+
+// A call in the profile as its build reads it: the fields fix_vllm_profile sets, and with GEOMETRY
+// K and V too (the builds whose tiles V = 128 fixes).
+template <int K, bool GEOMETRY>
+__device__ __forceinline__ GdnDecodeParams vllm_profile_params(const GdnDecodeParams& p) {
+  GdnDecodeParams fixed = p;
+  fix_vllm_profile(fixed);
+  if constexpr (GEOMETRY) {
+    fixed.K = K;
+    fixed.V = kVllmProfileV;
+  }
+  return fixed;
+}
+
 // The kernel a launch takes: the profile build for vLLM's call, the generic one for any other (the
 // dynamic shared memory set on the one launched).
 template <auto Generic, auto Profile>

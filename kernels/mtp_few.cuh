@@ -234,21 +234,10 @@ __device__ __forceinline__ void few_step(const GdnDecodeParams& p) {
 // B=4 19.0 -> 17.15 (vLLM 0.34's op 5.8, 6.1, 9.55, 6.95, 13.6, 19.95).
 template <int K, typename ST, int BW, int TT, int CL = 1, bool F8 = false, bool VP = false>
 __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-  constexpr bool kProfile = false;
-#else
-  constexpr bool kProfile = VP;
-#endif
   static_assert(!VP || !F8, "vLLM's call has no FP8 output");
-  if constexpr (kProfile) {
-    GdnDecodeParams fixed = p;
-    fix_vllm_profile(fixed);
+  if constexpr (VP && kProfileBodies) {
     constexpr bool kGeometry = !(std::is_same_v<ST, float> && BW == 16 && TT == 2 && CL == 1);
-    if constexpr (kGeometry) {
-      fixed.K = K;
-      fixed.V = kVllmProfileV;
-    }
-    few_step<K, ST, BW, TT, CL, F8, kGeometry ? kVllmProfileV / CL / BW : 0>(fixed);
+    few_step<K, ST, BW, TT, CL, F8, kGeometry ? kVllmProfileV / CL / BW : 0>(vllm_profile_params<K, kGeometry>(p));
   } else {
     few_step<K, ST, BW, TT, CL, F8>(p);
   }

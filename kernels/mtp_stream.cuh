@@ -496,27 +496,16 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
 template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens,
           int R = kStreamRows, bool VP = false>
 __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
-  // From sm_100 the profile's build spilled 80-88 bytes a thread at the 128-register cap (ptxas -v,
-  // shipped flags; sm_80 and sm_90a none): there it runs the generic body, and no GPU here times it.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-  constexpr bool kProfile = false;
-#else
-  constexpr bool kProfile = VP;
-#endif
-  if constexpr (kProfile) {
-    GdnDecodeParams fixed = p;
-    fix_vllm_profile(fixed);
+  if constexpr (VP && kProfileBodies) {
     if constexpr (R == kStreamShortRows) {
       // The short-chunk launch's geometry too (launch_mtp_stream_short), which V = 128 fixes.
-      GdnDecodeParams grid = fixed;
-      grid.K = K;
-      grid.V = kVllmProfileV;
-      stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R, kStreamShortWarps, kVllmProfileV / (R * kStreamShortWarps)>(grid);
+      stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R, kStreamShortWarps, kVllmProfileV / (R * kStreamShortWarps)>(
+          vllm_profile_params<K, true>(p));
     } else {
       // The staging-first launch (launch_mtp_stream): its geometry as constants too spilled 12-52 bytes
       // a thread (ptxas -v, sm_90a), its dtypes and index widths alone none.
       static_assert(STAGE_FIRST, "the profile's builds: short-chunk and staging-first");
-      stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(fixed);
+      stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(vllm_profile_params<K, false>(p));
     }
   } else {
     stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(p);
