@@ -4,9 +4,9 @@
 //   mtp_one.cuh       at most one token a request (layout vk, K = 128): warp_vk's step on the
 //                     contract's slots, the epilogue in the block, in clusters or as a
 //                     second launch
-//   mtp_few.cuh       idx [N, 2], and [N, 3..4] with fp32 state (GDN, layout vk, K = 128), in small
-//                     grids: each warp's rows straight into registers with its tokens' inputs, no
-//                     shared staging
+//   mtp_few.cuh       idx [N, 2], and [N, 3..4] with fp32 state or vLLM's bf16 call on sm_90 (GDN,
+//                     layout vk, K = 128), in small grids: each warp's rows straight into registers
+//                     with its tokens' inputs, no shared staging
 //   mtp_stream.cuh    up to kStreamTokens checkpoint columns (kStreamLongTokens in vLLM's layout
 //                     at K = 128): row chunks streamed through a cp.async ring, the pass's tokens
 //                     staged in shared memory

@@ -1,6 +1,7 @@
 // The few-token kernel of the multi-token contract: vLLM's MTP call with one draft token (idx
-// [N, 2]), and with fp32 state up to three (idx [N, 3..4]), GDN, layout vk, K = 128: each warp's rows
-// of the state loaded straight into registers with its tokens' inputs, no shared staging.
+// [N, 2]), and up to three (idx [N, 3..4]) with fp32 state (with bf16, vLLM's call on sm_90 images),
+// GDN, layout vk, K = 128: each warp's rows of the state loaded straight into registers with its
+// tokens' inputs, no shared staging.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -250,7 +251,8 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 //     wave of its 8-warp blocks (two an SM) or in waves that fill at least 90% of the last, up to
 //     kFewMaxPairsPerSm pairs an SM;
 //   idx [N, 3..4], fp32 state: the same waves, from 90% of the SMs (a pair an SM) up to
-//     kFewMaxPairsPerSm4 pairs an SM.
+//     kFewMaxPairsPerSm4 pairs an SM; bf16, vLLM's call on an sm_90 image: from 90% of the SMs up to
+//     kFewMaxPairsPerSm4Bf16 pairs an SM, in waves of its 16-warp blocks (one an SM) as full.
 // Elsewhere the streaming kernel. H200, 16/32 heads (benchmarks/results-h200-mtp.md), µs, streaming
 // -> this kernel: T = 2 bf16 B=1 / 4 / 8 7.95 / 9.4 / 12.25 -> 7.4 / 8.45 / 11.8 (vLLM's op 8.65 /
 // 9.25 / 12.2), but past two pairs an SM slower: B=12 / 16 / 32 16.7 / 19.85 / 35.65 -> 19.1 / 20.75
@@ -259,30 +261,38 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 // 15.35 / 17.6 -> 14.5 / 17.1, B=8 24.25 / 28.35 -> 22.2 / 26.2, B=32 81.15 / 98.45 -> 76.3 / 94.3,
 // B=128 295.3 / 367.3 -> 290.35 / 364.2 (vLLM's op 14.95 / 17.6, 24.3 / 29.3, 81.9 / 102.55, 303.9
 // / 383.5), but T = 4 B=1 / 2 (each token's inputs a round trip, on fewer SMs than the streaming
-// kernel's row groups use) 10.9 / 11.9 -> 15.0 / 15.05; bf16 T = 4 slower at every batch (B=4 / 8
-// / 128 11.6 / 17.25 / 193.4 -> 12.3 / 18.55 / 240.7), T = 8 at all but fp32 B=8.
+// kernel's row groups use) 10.9 / 11.9 -> 15.0 / 15.05; bf16 T = 4 (the generic 16-row build)
+// slower at every batch (B=4 / 8 / 128 11.6 / 17.25 / 193.4 -> 12.3 / 18.55 / 240.7), T = 8 at all
+// but fp32 B=8.
 // The profile build (vLLM's call, decode_vk_few_kernel's VP) took bf16 T = 2 past two pairs an SM
 // too: H100, 16/32 heads, streaming -> this kernel, µs: B=16 / 32 / 128 / 512 23.05 / 41.7 / 152.4 /
 // 581.5 -> 20.7 / 39.6 / 146.2 / 578.15, 4/8 heads B=128 / 512 42.4 / 155.0 -> 39.95 / 149.3
 // (vLLM 0.34's op 23.5 / 43.05 / 153.9 / 600.2, 43.2 / 156.0; benchmarks/results-few-token-profile.md).
 // Measured on an sm_90 GPU (an H100; not yet on an H200) and taken on sm_90 images only
 // (kFewProfileWavesArch): from sm_100 the profile build compiles the generic body. Its bf16 build
-// of four tokens gained 1-11% as well (B=4-128 at 16/32 heads, B=16-512 at 4/8) but spilled 124
-// bytes a thread at sm_90a: not taken.
+// of four tokens at 16 rows a warp spilled (124 bytes a thread at sm_90a); at 8 (16-warp blocks, one
+// an SM) none, and vLLM's call takes it at three and four tokens up to 4 pairs an SM: H100,
+// streaming -> this kernel, µs, T = 3 / 4: 16/32 heads B=4 9.8 / 11.25 -> 9.2 / 10.55, B=16 30.1 /
+// 36.75 -> 29.5 / 35.1; 4/8 B=16 9.85 / 11.2 -> 9.2 / 10.6, B=32 17.1 / 20.1 -> 16.5 / 19.2 (vLLM
+// 0.34's op 11.0 / 12.55, 31.55 / 38.65, 11.0 / 12.5, 17.5 / 20.45); past that it lost (7.8 pairs an
+// SM, T = 3: 1.007-1.015x; 31: 1.06-1.09x; benchmarks/results-few-token-bf16-four.md).
 constexpr int kFewMaxPairsPerSm = 128;
 constexpr int kFewMaxPairsPerSm4 = 32;
+constexpr int kFewMaxPairsPerSm4Bf16 = 4;
 constexpr int kFewProfileWavesArch = 900;
 template <typename ST>
 bool few_token_call(const GdnDecodeParams& p) {
   constexpr bool fp32 = std::is_same_v<ST, float>;
   const bool in_waves = fp32 || (vllm_profile(p) && p.image_arch == kFewProfileWavesArch);
-  if (p.idx_columns < 2 || p.idx_columns > (fp32 ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
+  if (p.idx_columns < 2 || p.idx_columns > (in_waves ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
       p.V % 16 != 0 || p.V > kMaxOneRows)
     return false;
-  const int64_t pairs = p.N * p.HV, sms = rule_sms(p), wave = 2 * sms;
+  // A wave: two 8-warp blocks an SM, one 16-warp block in bf16's four-column build (launch_vk_few_builds).
+  const int64_t pairs = p.N * p.HV, sms = rule_sms(p), wave = (fp32 || p.idx_columns == 2 ? 2 : 1) * sms;
   const int64_t waves = (pairs + wave - 1) / wave;
   const bool full_waves = pairs <= wave || pairs * 10 >= waves * wave * 9;
-  if (p.idx_columns > 2) return pairs * 10 >= sms * 9 && pairs <= kFewMaxPairsPerSm4 * sms && full_waves;
+  if (p.idx_columns > 2)
+    return pairs * 10 >= sms * 9 && pairs <= (fp32 ? kFewMaxPairsPerSm4 : kFewMaxPairsPerSm4Bf16) * sms && full_waves;
   return pairs <= wave || (in_waves && pairs <= kFewMaxPairsPerSm * sms && full_waves);
 }
 
@@ -340,6 +350,14 @@ int launch_vk_few_builds(const GdnDecodeParams& p, cudaStream_t stream) {
   if constexpr (std::is_same_v<ST, float>) {
     if (p.idx_columns > 2) return launch_vk_few_rows<ST, kFewRows, 4, F8>(p, stream);
   } else {
+    // Only vLLM's call takes bf16's four columns (few_token_call): the profile build alone. Its 16
+    // rows a warp spilled 124 bytes a thread at sm_90a (28 generic, 24 with the next token's inputs
+    // loaded after the row sums), 8 none.
+    if constexpr (!F8) {
+      if (p.idx_columns > 2)
+        return launch_decode(decode_vk_few_kernel<128, ST, 8, 4, 1, false, true>, request_head_grid(p),
+                             dim3(static_cast<unsigned>(p.V / 8) * 32), p, stream);
+    }
     if (p.N * p.HV <= rule_sms(p)) return launch_vk_few_rows<ST, 8, 2, F8>(p, stream);
   }
   return launch_vk_few_rows<ST, kFewRows, 2, F8>(p, stream);

@@ -35,13 +35,13 @@ tokens a request (vLLM 0.34's most) (7). Beyond those: T = 1 with the epilogue o
 1 call in every range of the one-token launch rule (16), the streaming kernel's row groups on small
 grids (5), its staging-first build with vLLM's profile and off it (10), the few-token kernel in each
 range of its launch rule (14), in clusters of 4 and 2 blocks a head (5) and in each of its builds
-with vLLM's profile and off it (11), the epilogue against the reference's epilogue of the
+with vLLM's profile and off it (13), the epilogue against the reference's epilogue of the
 unfused output, vLLM's padded pool with other paddings and against a contiguous pool bit for bit
 (4), cudelta.vllm_compat.fused_gdn_decode_post_conv_mtp on CUDA against the same call on CPU tensors
 (6, one with nine tokens a request), 9-16 checkpoint columns on the streaming kernel's long-pass
 build and 17 on the resident kernel (11), which build the columns pick (4, from the kernel names the
 profiler records), torch.compile(fullgraph=True) and CUDA-graph capture and replay with new inputs.
-187 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
+189 tests in all: a few seconds of GPU time; the host's share (drawing the pools,
 the float64 loop) is most of the rest, a few seconds for the largest engine batch.
 """
 
@@ -377,7 +377,9 @@ def test_the_few_token_kernel_in_clusters_computes_the_same_step(share, blocks, 
 # constants (the kernel's last template argument true); a call off the profile in any of them the
 # generic one. The build: a warp's rows, the columns it takes and the blocks of a cluster (BW, TT,
 # CL). Both compute the same step. On an sm_90 image vLLM's call with a bf16 state takes the kernel
-# past two (request, value head) pairs an SM too (share 3.9), elsewhere the streaming kernel.
+# past two (request, value head) pairs an SM too (share 3.9), and at three or four tokens in 16-warp
+# blocks of 8 rows a warp (its only build: share 0.98, and 2.95, three waves of one block an SM);
+# elsewhere the streaming kernel.
 FEW_PROFILE = [(0.25, "8, 2, 4", mc.Case(H=16, tokens="T2", seed=840), True),
                (3.9, "16, 2, 1", mc.Case(H=16, tokens="T2", seed=850), True),
                (0.5, "8, 2, 2", mc.Case(H=16, tokens="varlen2", epilogue="sigmoid", seed=841), True),
@@ -385,6 +387,8 @@ FEW_PROFILE = [(0.25, "8, 2, 4", mc.Case(H=16, tokens="T2", seed=840), True),
                (1.9, "16, 2, 1", mc.Case(H=16, tokens="T2", slots="ckpt", seed=843), True),
                (0.25, "4, 2, 4", mc.Case(H=4, tokens="T2", state="fp32", seed=844), True),
                (0.98, "16, 4, 1", mc.Case(H=4, tokens="T4", state="fp32", seed=845), True),
+               (0.98, "8, 4, 1", mc.Case(H=4, tokens="T4", seed=851), True),
+               (2.95, "8, 4, 1", mc.Case(H=16, tokens="varlen4", slots="ckpt", seed=852), True),
                (0.25, "8, 2, 4", mc.Case(H=16, tokens="T2", io="fp16", seed=846), False),
                (0.9, "8, 2, 1", mc.Case(H=16, tokens="T2", epilogue="none", index="int64", seed=847), False),
                (0.98, "16, 4, 1", mc.Case(H=4, tokens="T4", state="fp32", gates="pre", seed=848), False),
@@ -400,7 +404,8 @@ def test_vllms_call_takes_the_few_token_build_of_its_profile(share, build, case,
     case = mc.sized_for(share, case, sms)
     pairs, columns, fp32 = case.N * case.H * case.group, max(mc.token_lens(case)), case.state == "fp32"
     if not mc.takes_the_few_token_kernel(pairs, sms, fp32, columns, _profile_on_sm90(case)):
-        pytest.skip("a bf16 state past two pairs an SM takes the few-token kernel on sm_90 images only")
+        pytest.skip("vLLM's call with a bf16 state takes the few-token kernel past two pairs an SM, and at three or "
+                    "four tokens, on sm_90 images only")
     blocks = mc.few_cluster_blocks(pairs, sms, fp32, columns, epilogue=case.epilogue != "none", V=case.V)
     if int(build.split(", ")[2]) != blocks:
         pytest.skip(f"{pairs} pairs take clusters of {blocks} blocks on this GPU's {sms} SMs")

@@ -48,12 +48,21 @@ def answers(tmp_path_factory) -> list[tuple[int, int, bool, int, int, bool, int]
 def test_the_tests_copy_of_the_few_token_rule_is_the_rule(answers):
     assert len(answers) == 2 * 6 * 2 * 3 * (599 + len(range(600, 2201, 7)))
     # The grid reaches every side of the rule: both kinds of call taken and refused, each cap crossed.
-    assert {(cols, fp32) for _, cols, fp32, _, _, takes, _ in answers if takes} == {(2, False), (2, True), (3, True),
-                                                                                 (4, True)}
+    assert {(cols, fp32) for _, cols, fp32, _, _, takes, _ in answers if takes} == {(2, False), (2, True), (3, False),
+                                                                                 (3, True), (4, False), (4, True)}
     assert any(pairs > 128 * sms for sms, cols, fp32, _, pairs, _, _ in answers if cols == 2 and fp32)
     # bf16 past two pairs an SM: vLLM's call on sm_90 only
     assert {call for sms, cols, fp32, call, pairs, takes, _ in answers if cols == 2 and not fp32 and pairs > 2 * sms
             and takes} == {1}
+    # bf16 at three or four columns: vLLM's call on sm_90 only, in waves of one block an SM (2.7-3 of
+    # them, 1.35-1.5 waves of fp32's two blocks an SM, taken)
+    assert {call for _, cols, fp32, call, _, takes, _ in answers if cols > 2 and not fp32 and takes} == {1}
+    assert any(cols == 4 and not fp32 and call == 1 and takes and 2.7 * sms <= pairs <= 3 * sms
+               for sms, cols, fp32, call, pairs, takes, _ in answers)
+    assert not any(cols == 4 and fp32 and takes and 2.7 * sms <= pairs <= 3 * sms
+                   for sms, cols, fp32, call, pairs, takes, _ in answers)
+    assert max(pairs / sms for sms, cols, fp32, _, pairs, takes, _ in answers if cols > 2 and takes and not fp32) <= 4
+    assert any(pairs > 4 * sms for sms, cols, fp32, _, pairs, takes, _ in answers if cols > 2 and takes and fp32)
     differ = [a for a in answers if mc.takes_the_few_token_kernel(a[4], a[0], a[2], a[1], profile_on_sm90=a[3] == 1) != a[5]]
     assert differ == []
 

@@ -20,8 +20,8 @@ from installer.detect import toolchain
 
 ROOT = shipped.SOURCE_ROOT
 # The streaming multi-token kernel in layout vk at K = 128 for GDN (vLLM's MTP call), the few-token
-# kernel (the call with one draft token, and fp32 state's with up to three, in small grids) and the
-# one-token kernels (vLLM's call at T = 1).
+# kernel (the call with one draft token, and with up to three an fp32 state's and vLLM's bf16 call
+# on sm_90, in small grids) and the one-token kernels (vLLM's call at T = 1).
 PINNED = re.compile(r"decode_mtp_stream_kernelILb1ELi128E(13__nv_bfloat16|f)Lb0E"
                     r"|decode_vk_(one|one_warp|one_staged|few)_kernelILi128E")
 
