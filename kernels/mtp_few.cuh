@@ -274,8 +274,9 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode
 // an SM) none, and vLLM's call takes it at three and four tokens up to 4 pairs an SM: H100,
 // streaming -> this kernel, µs, T = 3 / 4: 16/32 heads B=4 9.8 / 11.25 -> 9.2 / 10.55, B=16 30.1 /
 // 36.75 -> 29.5 / 35.1; 4/8 B=16 9.85 / 11.2 -> 9.2 / 10.6, B=32 17.1 / 20.1 -> 16.5 / 19.2 (vLLM
-// 0.34's op 11.0 / 12.55, 31.55 / 38.65, 11.0 / 12.5, 17.5 / 20.45); past that it lost (7.8 pairs an
-// SM, T = 3: 1.007-1.015x; 31: 1.06-1.09x; benchmarks/results-few-token-bf16-four.md).
+// 0.34's op 11.0 / 12.55, 31.55 / 38.65, 11.0 / 12.5, 17.5 / 20.45); past that mixed at 7.8 pairs an
+// SM (T = 3 1.007-1.015x, T = 4 0.981-0.987x), slower at 31 (1.06-1.09x;
+// benchmarks/results-few-token-bf16-four.md).
 constexpr int kFewMaxPairsPerSm = 128;
 constexpr int kFewMaxPairsPerSm4 = 32;
 constexpr int kFewMaxPairsPerSm4Bf16 = 4;

@@ -61,7 +61,8 @@ def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int, p
     columns] and `pairs` (request, value head) pairs on `sms` SMs: which kernel a GPU test's case
     reaches (tests/unit/test_few_token_rule.py holds this to the C++). profile_on_sm90: the call is
     vLLM's exact one (in_vllm_profile) and the GPU loads an sm_90 image (capability 9.0), where a
-    bf16 state takes fp32's rules (its four-column build in waves of one block an SM, not two)."""
+    bf16 state takes fp32's rules but one (its four-column build only up to 4 pairs an SM, in waves
+    of one block an SM, not two)."""
     waves = fp32 or profile_on_sm90
     wave = (2 if fp32 or columns == 2 else 1) * sms
     full_waves = pairs <= wave or pairs * 10 >= -(-pairs // wave) * wave * 9
