@@ -297,13 +297,20 @@ bool few_token_call(const GdnDecodeParams& p) {
   return pairs <= wave || (in_waves && pairs <= kFewMaxPairsPerSm * sms && full_waves);
 }
 
-// vLLM's call (no FP8 output) takes the profile build (VP), any other the generic one.
-template <typename ST, int BW, int TT, bool F8>
+// vLLM's call (no FP8 output) takes the profile build (VP), any other the generic one. PROFILE_ONLY:
+// a build only vLLM's call reaches (few_token_call), launched without a generic twin.
+template <typename ST, int BW, int TT, bool F8, bool PROFILE_ONLY = false>
 int launch_vk_few_rows(const GdnDecodeParams& p, cudaStream_t stream) {
+  static_assert(!PROFILE_ONLY || !F8, "vLLM's call has no FP8 output");
   const dim3 grid = request_head_grid(p), block(static_cast<unsigned>(p.V / BW) * 32);
-  constexpr auto generic = decode_vk_few_kernel<128, ST, BW, TT, 1, F8>;
-  if constexpr (F8) return launch_decode(generic, grid, block, p, stream);
-  else return launch_profile_or_generic<generic, decode_vk_few_kernel<128, ST, BW, TT, 1, false, true>>(p, grid, block, stream);
+  constexpr auto profile = decode_vk_few_kernel<128, ST, BW, TT, 1, false, true>;
+  if constexpr (PROFILE_ONLY) {
+    return launch_decode(profile, grid, block, p, stream);
+  } else {
+    constexpr auto generic = decode_vk_few_kernel<128, ST, BW, TT, 1, F8>;
+    if constexpr (F8) return launch_decode(generic, grid, block, p, stream);
+    else return launch_profile_or_generic<generic, profile>(p, grid, block, stream);
+  }
 }
 
 // A head's rows in clusters of CL blocks along z (few_cluster_blocks: sm_90+ images, the epilogue).
@@ -355,9 +362,7 @@ int launch_vk_few_builds(const GdnDecodeParams& p, cudaStream_t stream) {
     // rows a warp spilled 124 bytes a thread at sm_90a (28 generic, 24 with the next token's inputs
     // loaded after the row sums), 8 none.
     if constexpr (!F8) {
-      if (p.idx_columns > 2)
-        return launch_decode(decode_vk_few_kernel<128, ST, 8, 4, 1, false, true>, request_head_grid(p),
-                             dim3(static_cast<unsigned>(p.V / 8) * 32), p, stream);
+      if (p.idx_columns > 2) return launch_vk_few_rows<ST, 8, 4, false, true>(p, stream);
     }
     if (p.N * p.HV <= rule_sms(p)) return launch_vk_few_rows<ST, 8, 2, F8>(p, stream);
   }
