@@ -18,6 +18,13 @@ namespace {
 
 // Rows a warp of the few-token kernel (launch_vk_few: 8 in some small grids).
 constexpr int kFewRows = 16;
+// Rows a warp of bf16's four-column build (launch_vk_few_builds): at kFewRows it spilled.
+constexpr int kFewRowsFourBf16 = 8;
+
+// Blocks of the few-token kernel an SM holds at `rows` rows a warp (V = 128): two 8-warp blocks at
+// 16 rows, one 16-warp block at 8. The kernel's launch bounds ask for them and few_token_call counts
+// its waves in them.
+__host__ __device__ constexpr int few_blocks_per_sm(int rows) { return rows >= 16 ? 2 : 1; }
 
 // A block of V / BW warps a (request, value head), as decode_vk_one_kernel: a warp loads its BW rows
 // of the starting slot and the inputs of its first tokens at once, carries the rows in fp32 from
@@ -234,7 +241,7 @@ __device__ __forceinline__ void few_step(const GdnDecodeParams& p) {
 // 4.8, B=16 bf16 8.9 -> 7.4; 16/32 heads B=1 bf16 6.8 -> 5.4, B=8 13.1 -> 10.9; fp32 T = 4 16/32
 // B=4 19.0 -> 17.15 (vLLM 0.34's op 5.8, 6.1, 9.55, 6.95, 13.6, 19.95).
 template <int K, typename ST, int BW, int TT, int CL = 1, bool F8 = false, bool VP = false>
-__global__ void __launch_bounds__(BW >= 16 ? 256 : 512, BW >= 16 ? 2 : 1) decode_vk_few_kernel(const GdnDecodeParams p) {
+__global__ void __launch_bounds__(BW >= 16 ? 256 : 512, few_blocks_per_sm(BW)) decode_vk_few_kernel(const GdnDecodeParams p) {
   static_assert(!VP || !F8, "vLLM's call has no FP8 output");
   if constexpr (VP && kProfileBodies) {
     constexpr bool kGeometry = !(std::is_same_v<ST, float> && BW == 16 && TT == 2 && CL == 1);
@@ -284,17 +291,20 @@ constexpr int kFewProfileWavesArch = 900;
 template <typename ST>
 bool few_token_call(const GdnDecodeParams& p) {
   constexpr bool fp32 = std::is_same_v<ST, float>;
-  const bool in_waves = fp32 || (vllm_profile(p) && p.image_arch == kFewProfileWavesArch);
-  if (p.idx_columns < 2 || p.idx_columns > (in_waves ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
+  // fp32's rules, and a bf16 state's in vLLM's call on an sm_90 image: up to four columns, and waves
+  // past the first.
+  const bool wide_rules = fp32 || (vllm_profile(p) && p.image_arch == kFewProfileWavesArch);
+  if (p.idx_columns < 2 || p.idx_columns > (wide_rules ? 4 : 2) || p.g_per_channel || !p.state_vk || p.K != 128 ||
       p.V % 16 != 0 || p.V > kMaxOneRows)
     return false;
-  // A wave: two 8-warp blocks an SM, one 16-warp block in bf16's four-column build (launch_vk_few_builds).
-  const int64_t pairs = p.N * p.HV, sms = rule_sms(p), wave = (fp32 || p.idx_columns == 2 ? 2 : 1) * sms;
+  // A wave: the blocks an SM of the build launch_vk_few_builds picks past one pair an SM.
+  const int rows = fp32 || p.idx_columns == 2 ? kFewRows : kFewRowsFourBf16;
+  const int64_t pairs = p.N * p.HV, sms = rule_sms(p), wave = few_blocks_per_sm(rows) * sms;
   const int64_t waves = (pairs + wave - 1) / wave;
   const bool full_waves = pairs <= wave || pairs * 10 >= waves * wave * 9;
   if (p.idx_columns > 2)
     return pairs * 10 >= sms * 9 && pairs <= (fp32 ? kFewMaxPairsPerSm4 : kFewMaxPairsPerSm4Bf16) * sms && full_waves;
-  return pairs <= wave || (in_waves && pairs <= kFewMaxPairsPerSm * sms && full_waves);
+  return pairs <= wave || (wide_rules && pairs <= kFewMaxPairsPerSm * sms && full_waves);
 }
 
 // vLLM's call (no FP8 output) takes the profile build (VP), any other the generic one. PROFILE_ONLY:
@@ -362,7 +372,7 @@ int launch_vk_few_builds(const GdnDecodeParams& p, cudaStream_t stream) {
     // rows a warp spilled 124 bytes a thread at sm_90a (28 generic, 24 with the next token's inputs
     // loaded after the row sums), 8 none.
     if constexpr (!F8) {
-      if (p.idx_columns > 2) return launch_vk_few_rows<ST, 8, 4, false, true>(p, stream);
+      if (p.idx_columns > 2) return launch_vk_few_rows<ST, kFewRowsFourBf16, 4, false, true>(p, stream);
     }
     if (p.N * p.HV <= rule_sms(p)) return launch_vk_few_rows<ST, 8, 2, F8>(p, stream);
   }

@@ -63,12 +63,13 @@ def takes_the_few_token_kernel(pairs: int, sms: int, fp32: bool, columns: int, p
     vLLM's exact one (in_vllm_profile) and the GPU loads an sm_90 image (capability 9.0), where a
     bf16 state takes fp32's rules but one (its four-column build only up to 4 pairs an SM, in waves
     of one block an SM, not two)."""
-    waves = fp32 or profile_on_sm90
-    wave = (2 if fp32 or columns == 2 else 1) * sms
+    wide_rules = fp32 or profile_on_sm90
+    rows = 16 if fp32 or columns == 2 else 8  # a warp's, in the build past one pair an SM
+    wave = (2 if rows >= 16 else 1) * sms  # its blocks an SM (few_blocks_per_sm)
     full_waves = pairs <= wave or pairs * 10 >= -(-pairs // wave) * wave * 9
     if columns > 2:
-        return waves and columns <= 4 and pairs * 10 >= sms * 9 and pairs <= (32 if fp32 else 4) * sms and full_waves
-    return columns == 2 and (pairs <= wave or (waves and pairs <= 128 * sms and full_waves))
+        return wide_rules and columns <= 4 and pairs * 10 >= sms * 9 and pairs <= (32 if fp32 else 4) * sms and full_waves
+    return columns == 2 and (pairs <= wave or (wide_rules and pairs <= 128 * sms and full_waves))
 
 
 def in_vllm_profile(case: "Case") -> bool:
