@@ -21,9 +21,9 @@ constexpr int kFewRows = 16;
 // Rows a warp of bf16's four-column build (launch_vk_few_builds): at kFewRows it spilled.
 constexpr int kFewRowsFourBf16 = 8;
 
-// Blocks of the few-token kernel an SM holds at `rows` rows a warp (V = 128): two 8-warp blocks at
-// 16 rows, one 16-warp block at 8. The kernel's launch bounds ask for them and few_token_call counts
-// its waves in them.
+// Blocks of the few-token kernel an SM holds at `rows` rows a warp, as its launch bounds ask: two at
+// 16 rows (8-warp blocks at V = 128), one below (16-warp blocks at 8 rows; the fp32 cluster builds'
+// blocks of 4 rows a warp). few_token_call counts its waves in them.
 __host__ __device__ constexpr int few_blocks_per_sm(int rows) { return rows >= 16 ? 2 : 1; }
 
 // A block of V / BW warps a (request, value head), as decode_vk_one_kernel: a warp loads its BW rows
