@@ -13,6 +13,7 @@
 # per-process numbers (mtp-H-HV.json, what mtp_bench.py writes beside its tables; one archive since
 # the device returns at most 8 files). Exits 1 when the tests fail or a head shape's run does (what
 # did finish still comes back).
+# Two such runs side by side, targets and moved cells: benchmarks/mtp_compare.py.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/tables}; work=$(mktemp -d); mkdir -p "$out"
