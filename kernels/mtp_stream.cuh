@@ -554,7 +554,9 @@ inline int stream_block_warps(int64_t blocks, int chunks, int64_t sms, bool long
 // heads B=1 8.8 / 11.1 / 16.6 -> 7.7 / 8.9 / 12.6; 16/64 heads B=1 (two groups of 8 chunks, 128
 // blocks) bf16 9.1 / 11.4 / 16.5 -> 8.3 / 9.8 / 13.3, fp32 11.4 / 15.1 / 22.2 -> 10.0 / 11.9 / 17.0.
 // Groups of 2-warp blocks (4/8 at B=1 in 8 groups: 14.4 at T=8) and a grid of 4-chunk blocks past
-// half the SMs (16/32 at B=1 in 4 groups: 14.7) gain less; past one block an SM nothing.
+// half the SMs (16/32 at B=1 in 4 groups: 14.7) gain less; past one block an SM nothing: at about
+// one (128 request-head pairs, T = 8, H100) two groups took 1.02-1.13x one's time and four 1.37-1.79x,
+// the short-chunk build's four 8-warp blocks a head 1.24-1.65x (benchmarks/results-h100-d9fced0.md).
 constexpr int kMtpGroupSmShare = 2;
 constexpr int kMtpGroupChunks = 4;
 constexpr int kMtpMaxClusterGroups = 8;
