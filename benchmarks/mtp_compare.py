@@ -4,6 +4,7 @@ and the cells where cudelta's time moved against a base run. A run is a folder o
 
     python benchmarks/mtp_compare.py RUN [RUN ...]              # the targets, a column a run
     python benchmarks/mtp_compare.py RUN [RUN ...] --base OLD   # and what moved since OLD
+    python benchmarks/mtp_compare.py RUN --ratios 16/32          # and README's table of one head shape
 
 A cell "moved" when cudelta's median moved past --threshold (3%) the same way in every run; vLLM's op
 is shown beside it, since a peer that moved as much says the machine did, not the kernel.
@@ -132,11 +133,46 @@ def moved_table(moved: list[Moved]) -> str:
     return "\n".join(rows)
 
 
+def _us_short(us: float) -> str:
+    return f"{us:.1f} µs" if us < 100 else f"{us:.0f} µs"
+
+
+def ratio_table(table: Table) -> str:
+    """vLLM's op's time ÷ cudelta's, a row a batch and the states side by side, with cudelta's own
+    time in the corner cells (first and last batch, first and last token count) as README shows it."""
+    head = ["B"] + [f"{'bf16' if st == 'bfloat16' else 'fp32'} state, T={T}" if i == 0 else f"T={T}"
+                    for st in table.states for i, T in enumerate(table.tokens)]
+    rows = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    corners = {(B, T) for B in (table.batches[0], table.batches[-1]) for T in (table.tokens[0], table.tokens[-1])}
+    for B in table.batches:
+        cells = [str(B)]
+        for st in table.states:
+            for T in table.tokens:
+                x = r.ratio(table.merged, st, B, T)
+                us = table.merged.median.get((st, B, T, r.CUDELTA))
+                text = _x(x)
+                if (B, T) in corners and us is not None and x is not None:
+                    text += f" ({_us_short(us)})"
+                cells.append(text)
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    try:
+        h, hv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: heads as H/HV, e.g. 16/32") from None
+    return h, hv
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="folders of mtp_bench.py's .json, one a run")
     ap.add_argument("--base", type=Path, help="a run to compare cudelta's times against")
     ap.add_argument("--threshold", type=float, default=0.03, help="the share a time must move by (0.03)")
+    ap.add_argument("--ratios", type=parse_heads, metavar="H/HV",
+                    help="also the first run's table of vLLM ÷ cudelta at these heads")
     args = ap.parse_args(argv)
     if not 0 < args.threshold < 1:
         ap.error(f"--threshold {args.threshold}: a share between 0 and 1 (0.03 is 3%)")
@@ -146,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"mtp_compare: {e}", file=sys.stderr)
         return 2
+    if args.ratios is not None and args.ratios not in runs[0]:
+        have = ", ".join(heads_name(h) for h in runs[0])
+        print(f"mtp_compare: --ratios {heads_name(args.ratios)}: not in {args.runs[0]} (it has {have})",
+              file=sys.stderr)
+        return 2
     print("Targets (issue 17), cells met, run after run:\n")
     print(targets_table(runs))
     if base is not None:
@@ -154,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nMoved by {100 * args.threshold:g}% or more against the base in every run: {faster} faster, "
               f"{len(moved) - faster} slower\n")
         print(moved_table(moved))
+    if args.ratios is not None:
+        print(f"\nvLLM's op ÷ cudelta at {heads_name(args.ratios)} heads ({args.runs[0]}):\n")
+        print(ratio_table(runs[0][args.ratios]))
     return 0
 
 

@@ -93,3 +93,26 @@ def test_the_command_line_prints_both_and_refuses_a_folder_without_numbers(tmp_p
     done = subprocess.run([sys.executable, script, str(tmp_path / "new"), "--threshold", "3"], capture_output=True,
                           text=True)
     assert done.returncode == 2 and "--threshold 3.0: a share between 0 and 1" in done.stderr
+
+
+def test_the_ratio_table_of_one_head_shape_puts_cudelta_s_time_in_its_corners(tmp_path):
+    run = c.load_run(write_run(tmp_path / "a", (16, 32), {**NEW, (64, 4): 125.0}))
+    assert c.ratio_table(run[16, 32]).splitlines() == [
+        "| B | bf16 state, T=1 | T=4 |", "| --- | --- | --- |",
+        "| 1 | 1.50x (4.0 µs) | 1.01x (7.9 µs) |",
+        "| 64 | 1.04x (38.5 µs) | 0.80x (125 µs) |"]
+
+
+def test_the_command_line_prints_the_ratios_asked_for_and_names_the_heads_it_has(tmp_path):
+    write_run(tmp_path / "new", (16, 32), NEW)
+    script = str(Path(c.__file__))
+    done = subprocess.run([sys.executable, script, str(tmp_path / "new"), "--ratios", "16/32"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("| 64 | 1.04x (38.5 µs) | 1.01x (99.0 µs) |")
+    done = subprocess.run([sys.executable, script, str(tmp_path / "new"), "--ratios", "4/8"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and done.stdout == "" and "--ratios 4/8: not in" in done.stderr
+    assert "(it has 16/32)" in done.stderr
+    done = subprocess.run([sys.executable, script, str(tmp_path / "new"), "--ratios", "16"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "'16': heads as H/HV, e.g. 16/32" in done.stderr
