@@ -51,8 +51,14 @@ def load_run(folder: Path) -> dict[tuple[int, int], Table]:
     paths = sorted(folder.glob("mtp-*.json"))
     if not paths:
         raise ValueError(f"{folder}: no mtp-*.json (mtp_bench.py --out writes one beside each table)")
-    tables = [table_from_dump(json.loads(p.read_text(encoding="utf-8"))) for p in paths]
-    return {t.heads: t for t in tables}
+    tables = {}
+    for path in paths:
+        try:
+            table = table_from_dump(json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not mtp_bench.py's numbers ({type(e).__name__}: {e})") from None
+        tables[table.heads] = table
+    return tables
 
 
 def heads_name(heads: tuple[int, int]) -> str:
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = [load_run(f) for f in args.runs]
         base = load_run(args.base) if args.base else None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         print(f"mtp_compare: {e}", file=sys.stderr)
         return 2
     if args.ratios is not None and args.ratios not in runs[0]:

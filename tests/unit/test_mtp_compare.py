@@ -90,6 +90,10 @@ def test_the_command_line_prints_both_and_refuses_a_folder_without_numbers(tmp_p
     (tmp_path / "empty").mkdir()
     done = subprocess.run([sys.executable, script, str(tmp_path / "empty")], capture_output=True, text=True)
     assert done.returncode == 2 and "no mtp-*.json" in done.stderr
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "mtp-4-8.json").write_text('{"args": {}}')
+    done = subprocess.run([sys.executable, script, str(tmp_path / "broken")], capture_output=True, text=True)
+    assert done.returncode == 2 and "mtp-4-8.json: not mtp_bench.py's numbers (KeyError: 'heads')" in done.stderr
     done = subprocess.run([sys.executable, script, str(tmp_path / "new"), "--threshold", "3"], capture_output=True,
                           text=True)
     assert done.returncode == 2 and "--threshold 3.0: a share between 0 and 1" in done.stderr
