@@ -94,6 +94,10 @@ class Moved:
     base_vllm_us: float | None
     run_vllm_us: tuple[float | None, ...]
 
+    @property
+    def faster(self) -> bool:
+        return self.run_us[0] < self.base_us  # every run moved the same way
+
 
 def moved_cells(base: dict[tuple[int, int], Table], runs: list[dict[tuple[int, int], Table]],
                 threshold: float = 0.03) -> list[Moved]:
@@ -110,8 +114,8 @@ def moved_cells(base: dict[tuple[int, int], Table], runs: list[dict[tuple[int, i
                         continue
                     was = old.merged.median[k]
                     now = tuple(run[h].merged.median[k] for run in runs)
-                    faster = all(x <= was * (1 - threshold) for x in now)
-                    if not (faster or all(x >= was * (1 + threshold) for x in now)):
+                    if not (all(x <= was * (1 - threshold) for x in now) or
+                            all(x >= was * (1 + threshold) for x in now)):
                         continue
                     moved.append(Moved(h, state, B, T, was, now, r.ratio(old.merged, state, B, T),
                                        tuple(r.ratio(run[h].merged, state, B, T) for run in runs),
@@ -131,7 +135,7 @@ def moved_table(moved: list[Moved]) -> str:
     rows = ["| heads | state | B | T | cudelta µs, base -> runs | time ÷ base | vLLM's op µs, base -> runs | "
             "vLLM ÷ cudelta, base -> runs |", "|---|---|---|---|---|---|---|---|"]
     for c in moved:
-        rows.append(f"| {heads_name(c.heads)} | {'bf16' if c.state == 'bfloat16' else 'fp32'} | {c.B} | {c.T} | "
+        rows.append(f"| {heads_name(c.heads)} | {r.state_name(c.state)} | {c.B} | {c.T} | "
                     f"{_us(c.base_us)} -> {' / '.join(_us(x) for x in c.run_us)} | "
                     f"{' / '.join(f'{x / c.base_us:.3f}' for x in c.run_us)} | "
                     f"{_us(c.base_vllm_us)} -> {' / '.join(_us(x) for x in c.run_vllm_us)} | "
@@ -139,14 +143,10 @@ def moved_table(moved: list[Moved]) -> str:
     return "\n".join(rows)
 
 
-def _us_short(us: float) -> str:
-    return f"{us:.1f} µs" if us < 100 else f"{us:.0f} µs"
-
-
 def ratio_table(table: Table) -> str:
     """vLLM's op's time ÷ cudelta's, a row a batch and the states side by side, with cudelta's own
     time in the corner cells (first and last batch, first and last token count) as README shows it."""
-    head = ["B"] + [f"{'bf16' if st == 'bfloat16' else 'fp32'} state, T={T}" if i == 0 else f"T={T}"
+    head = ["B"] + [f"{r.state_name(st)} state, T={T}" if i == 0 else f"T={T}"
                     for st in table.states for i, T in enumerate(table.tokens)]
     rows = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     corners = {(B, T) for B in (table.batches[0], table.batches[-1]) for T in (table.tokens[0], table.tokens[-1])}
@@ -158,7 +158,7 @@ def ratio_table(table: Table) -> str:
                 us = table.merged.median.get((st, B, T, r.CUDELTA))
                 text = _x(x)
                 if (B, T) in corners and us is not None and x is not None:
-                    text += f" ({_us_short(us)})"
+                    text += f" ({r.us_text(us)} µs)"
                 cells.append(text)
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     print(targets_table(runs))
     if base is not None:
         moved = moved_cells(base, runs, args.threshold)
-        faster = sum(all(x < c.base_us for x in c.run_us) for c in moved)
+        faster = sum(c.faster for c in moved)
         print(f"\nMoved by {100 * args.threshold:g}% or more against the base in every run: {faster} faster, "
               f"{len(moved) - faster} slower\n")
         print(moved_table(moved))

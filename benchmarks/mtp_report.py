@@ -143,11 +143,15 @@ def _disagrees(m: Merged, k: Key) -> bool:
     return c is not None and not c["ok"]
 
 
+def us_text(us: float) -> str:
+    """A time as the tables print it: a tenth of a µs below 100, whole µs from there."""
+    return f"{us:.1f}" if us < 100 else f"{us:.0f}"
+
+
 def _us(m: Merged, k: Key) -> str:
     if k not in m.median:
         return "—"
-    v = m.median[k]
-    text = f"{v:.1f}" if v < 100 else f"{v:.0f}"
+    text = us_text(m.median[k])
     if m.modes.get(k, "graph") != "graph":
         text += "ᵉ"
     if _disagrees(m, k):
@@ -205,8 +209,12 @@ def render_table(m: Merged, state: str, batches: list[int], tokens: list[int]) -
     return "\n".join(lines)
 
 
+def state_name(state: str) -> str:
+    return "bf16" if state == "bfloat16" else "fp32" if state == "float32" else state
+
+
 def _cell_name(state: str, B: int, T: int) -> str:
-    return f"{'bf16' if state == 'bfloat16' else 'fp32' if state == 'float32' else state} B={B} T={T}"
+    return f"{state_name(state)} B={B} T={T}"
 
 
 def _normalised(reason: str) -> str:
