@@ -239,7 +239,7 @@ struct ConvAccess<void> {
 // an SM). SiLU is computed whether asked or not, then selected: written `silu ? f(s) : s`, ptxas put a
 // branch around each channel's exp and reciprocal, and a token's 4 channels ran one after another
 // (H100, 16/32 heads, the conv alone: B = 1 T = 4 / 8 3.06 / 3.94 -> 2.50 / 2.96 µs, vLLM's 2.55 /
-// 3.12; B = 512 T = 4 / 8 65.0 / 97.2 -> 60.0 / 91.0; B = 32 T = 1 / 2 +2%). Computing a batch's
+// 3.11; B = 512 T = 4 / 8 65.0 / 97.2 -> 60.0 / 91.0; B = 32 T = 1 / 2 1-2% slower). Computing a batch's
 // tokens without the branch out of the loop at the request's end also let the tokens interleave,
 // but took 152 registers a thread (116 with it, bf16 at sm_90a) and was 12-53% slower than before
 // from B = 32 at T = 4 / 8 (benchmarks/results-h100-90d34eb.md).
