@@ -13,6 +13,7 @@ is shown beside it, since a peer that moved as much says the machine did, not th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -106,20 +107,17 @@ def moved_cells(base: dict[tuple[int, int], Table], runs: list[dict[tuple[int, i
     for h, old in base.items():
         if not all(h in run for run in runs):
             continue
-        for state in old.states:
-            for B in old.batches:
-                for T in old.tokens:
-                    k, v = (state, B, T, r.CUDELTA), (state, B, T, r.VLLM_CUDA)
-                    if k not in old.merged.median or not all(k in run[h].merged.median for run in runs):
-                        continue
-                    was = old.merged.median[k]
-                    now = tuple(run[h].merged.median[k] for run in runs)
-                    if not (all(x <= was * (1 - threshold) for x in now) or
-                            all(x >= was * (1 + threshold) for x in now)):
-                        continue
-                    moved.append(Moved(h, state, B, T, was, now, r.ratio(old.merged, state, B, T),
-                                       tuple(r.ratio(run[h].merged, state, B, T) for run in runs),
-                                       old.merged.median.get(v), tuple(run[h].merged.median.get(v) for run in runs)))
+        for state, B, T in itertools.product(old.states, old.batches, old.tokens):
+            k, v = (state, B, T, r.CUDELTA), (state, B, T, r.VLLM_CUDA)
+            if k not in old.merged.median or not all(k in run[h].merged.median for run in runs):
+                continue
+            was = old.merged.median[k]
+            now = tuple(run[h].merged.median[k] for run in runs)
+            if not (all(x <= was * (1 - threshold) for x in now) or all(x >= was * (1 + threshold) for x in now)):
+                continue
+            moved.append(Moved(h, state, B, T, was, now, r.ratio(old.merged, state, B, T),
+                               tuple(r.ratio(run[h].merged, state, B, T) for run in runs),
+                               old.merged.median.get(v), tuple(run[h].merged.median.get(v) for run in runs)))
     return moved
 
 
