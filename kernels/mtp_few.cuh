@@ -52,6 +52,7 @@ __device__ __forceinline__ void few_step(const GdnDecodeParams& p) {
   __shared__ float s_o[TT][kMaxOneRows], s_z[TT > 2 ? TT : 1][TT > 2 ? kMaxOneRows : 1];
   __shared__ float s_sumsq[TT][16];
   __shared__ float s_cl[TT][CL];
+  __shared__ uint64_t s_sent;
   pdl_wait_early(p);
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = FW > 0 ? FW : static_cast<int>(blockDim.x / 32);
   const int l = lane % LPR, r = lane / LPR;
@@ -62,7 +63,10 @@ __device__ __forceinline__ void few_step(const GdnDecodeParams& p) {
   // CL > 1: the head's rows in CL blocks of a cluster (blockIdx.z: which rows); all return above or
   // none does. Distributed shared memory is written only once every block runs: waited for below.
   if constexpr (CL > 1) {
-    if (p.gate_activation > 0) cluster_arrive_relaxed();
+    if (p.gate_activation > 0) {
+      if (threadIdx.x == 0) expect_sends(&s_sent, TT * CL * sizeof(float));
+      cluster_arrive_relaxed();
+    }
   }
   const int rows = CL > 1 ? V / CL : V, base = CL > 1 ? static_cast<int>(blockIdx.z) * rows : 0;
   const int64_t h = qk_head(p, static_cast<uint32_t>(hv));
@@ -207,10 +211,9 @@ __device__ __forceinline__ void few_step(const GdnDecodeParams& p) {
       const int t = static_cast<int>(threadIdx.x) / CL;
       float mine_sum = 0.f;
       for (int i = 0; i < warps; ++i) mine_sum += s_sumsq[t][i];
-      store_cluster(&s_cl[t][blockIdx.z], threadIdx.x % CL, mine_sum);
+      send_cluster(&s_cl[t][blockIdx.z], threadIdx.x % CL, mine_sum, &s_sent);
     }
-    cluster_arrive();
-    cluster_wait();
+    wait_sends(&s_sent);
   }
   if (!mine) return;
   const float w = widen_bits(w_bits, p.norm_weight_dtype);

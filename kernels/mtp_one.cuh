@@ -173,6 +173,7 @@ __global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW,
   constexpr int ROWS = BW * TPW;
   __shared__ float s_o[CLUSTER_EPI ? kMaxOneRows : 1];
   __shared__ float s_ss[CLUSTER_EPI ? kMaxOneRows / ROWS : 1];
+  __shared__ uint64_t s_sent;
   pdl_wait_early(p);  // and pdl_wait_late in warp_step
   const int64_t n = blockIdx.z, hv = blockIdx.y;
   // The warp's tile group: WPB warps a block, blocks along x.
@@ -190,8 +191,10 @@ __global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW,
   if constexpr (!CLUSTER_EPI) {
     warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM>(p, g, hv, h, bos, start, start);
   } else {
-    // Distributed shared memory is written only once every block of the cluster runs: this arrival
-    // is waited for after the step.
+    // Distributed shared memory is written only once every block of the cluster runs, its barrier
+    // for the sums initialised: this arrival is waited for after the step.
+    const unsigned blocks = gridDim.x;
+    if (threadIdx.x == 0) expect_sends(&s_sent, blocks * WPB * sizeof(float));
     cluster_arrive_relaxed();
     const int lane = static_cast<int>(threadIdx.x % 32);
     const bool mine = lane < ROWS;
@@ -202,10 +205,8 @@ __global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW,
     cluster_wait();
     // Warp g's sum goes to slot g of every block; each adds them in slot order (outputs do not
     // depend on which warp finished first).
-    const unsigned blocks = gridDim.x;
-    if (static_cast<unsigned>(lane) < blocks) store_cluster(&s_ss[g], static_cast<unsigned>(lane), epi.sumsq);
-    cluster_arrive();
-    cluster_wait();
+    if (static_cast<unsigned>(lane) < blocks) send_cluster(&s_ss[g], static_cast<unsigned>(lane), epi.sumsq, &s_sent);
+    wait_sends(&s_sent);
     if (!mine) return;
     float total = 0.f;
     for (unsigned i = 0; i < blocks * WPB; ++i) total += s_ss[i];

@@ -64,6 +64,61 @@ __device__ __forceinline__ void store_cluster(float* local, unsigned rank, float
 #endif
 }
 
+// The same exchange counted by a transaction barrier instead of a second cluster barrier: each block
+// expects `bytes` of sends (send_cluster) into its shared memory and waits for them alone
+// (wait_sends). A cluster barrier's arrive has release semantics at cluster scope, so every thread
+// first waits until its earlier global stores are performed (the step's state stores, still in
+// flight when the sums are ready); a send carries only its own bytes. Protocol: expect_sends before
+// the cluster's first (relaxed) arrival, whose wait every sender passes before its first send, so
+// that every block's barrier is initialised; a block leaves only after its own barrier completes,
+// so no send lands in a block that has exited.
+// A barrier's next phase counts `bytes` more (one thread, once a phase, after the previous phase's
+// wait_sends).
+__device__ __forceinline__ void arm_sends(uint64_t* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void expect_sends(uint64_t* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
+  arm_sends(bar, bytes);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// Stores x at `local` as seen in cluster block `rank`, counted by that block's barrier `bar`.
+__device__ __forceinline__ void send_cluster(float* local, unsigned rank, float x, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  uint32_t ra, rb;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(ra),
+               "r"(__float_as_uint(x)), "r"(rb)
+               : "memory");
+#else
+  *local = x;
+#endif
+}
+// Waits until the block's barrier has counted every byte its phase was armed for: phase 0 (parity
+// 0) is expect_sends', each arm_sends after it the next (parity alternating).
+__device__ __forceinline__ void wait_sends(uint64_t* bar, unsigned parity = 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "LAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra LAB_WAIT;\n"
+      "}\n" ::"r"(a), "r"(parity)
+      : "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
