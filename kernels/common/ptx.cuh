@@ -66,25 +66,18 @@ __device__ __forceinline__ void store_cluster(float* local, unsigned rank, float
 
 // The same exchange counted by a transaction barrier instead of a second cluster barrier: each block
 // expects `bytes` of sends (send_cluster) into its shared memory and waits for them alone
-// (wait_sends). A cluster barrier's arrive has release semantics at cluster scope, so every thread
-// first waits until its earlier global stores are performed (the step's state stores, still in
-// flight when the sums are ready); a send carries only its own bytes. Protocol: expect_sends before
-// the cluster's first (relaxed) arrival, whose wait every sender passes before its first send, so
-// that every block's barrier is initialised; a block leaves only after its own barrier completes,
-// so no send lands in a block that has exited.
-// A barrier's next phase counts `bytes` more (one thread, once a phase, after the previous phase's
-// wait_sends).
-__device__ __forceinline__ void arm_sends(uint64_t* bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
-#endif
-}
+// (wait_sends). A cluster barrier's arrive has release semantics at cluster scope (MEMBAR.ALL.GPU
+// before it in the SASS), so every thread first waits until its earlier global stores are performed
+// (the step's state stores, still in flight when the sums are ready); a send carries only its own
+// bytes. Protocol, one exchange a launch (the barrier's first phase): expect_sends by one thread
+// before the cluster's first (relaxed) arrival, whose wait every sender passes before its first
+// send, so that every block's barrier is initialised; a block leaves only after its own barrier
+// completes, so no send lands in a block that has exited.
 __device__ __forceinline__ void expect_sends(uint64_t* bar, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
-  arm_sends(bar, bytes);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
@@ -103,18 +96,17 @@ __device__ __forceinline__ void send_cluster(float* local, unsigned rank, float 
   *local = x;
 #endif
 }
-// Waits until the block's barrier has counted every byte its phase was armed for: phase 0 (parity
-// 0) is expect_sends', each arm_sends after it the next (parity alternating).
-__device__ __forceinline__ void wait_sends(uint64_t* bar, unsigned parity = 0) {
+// Waits until the block's barrier has counted every byte expect_sends announced.
+__device__ __forceinline__ void wait_sends(uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "LAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
       "@!done bra LAB_WAIT;\n"
-      "}\n" ::"r"(a), "r"(parity)
+      "}\n" ::"r"(a)
       : "memory");
 #endif
 }
