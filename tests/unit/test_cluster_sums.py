@@ -7,16 +7,11 @@ benchmarks/results-h100-async-sums.md). Read from the PTX nvcc writes for sm_90a
 launches take the clusters. The streaming kernel keeps its release barrier (the same exchange there
 lost in its unclustered grids) and is not held to this."""
 
-import os
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from installer.compile import native
-from installer.core import shipped
-from installer.detect import toolchain
+from nvcc_unit import compile_unit
 
 UNITS = ("mtp_bfloat16.cu", "mtp_float32.cu")
 CLUSTERED = re.compile(r"decode_vk_(one_warp|few)_kernel")
@@ -24,17 +19,9 @@ RELEASE_ARRIVE = re.compile(r"barrier\.cluster\.arrive(\.aligned)?;")
 
 
 def ptx_entries(unit: str, out_dir) -> dict[str, str]:
-    """Kernel (mangled name) -> its PTX body, for one unit compiled for compute_90a with the shipped
-    flags."""
-    toolkit, why_not = toolchain.find_cuda("linux", os.environ)
-    if toolkit is None:
-        pytest.skip(why_not)
-    flags = native.nvcc_flags(native.parse_archs(["9.0a"]), compress=False, threads=1)
-    at = flags.index("-gencode")  # one virtual architecture instead: -ptx writes one PTX file
-    flags = [*flags[:at], *flags[at + 2:], "-arch=compute_90a"]
+    """Kernel (mangled name) -> its PTX body, for one unit compiled for sm_90a with the shipped flags."""
     out = out_dir / (unit + ".ptx")
-    subprocess.run([toolkit.nvcc, *flags, "-ptx", "-o", str(out), str(shipped.SOURCE_ROOT / "kernels" / "units" / unit)],
-                   capture_output=True, text=True, check=True)
+    compile_unit(unit, "9.0a", out, "-ptx")
     bodies = re.split(r"^\.entry ", out.read_text(), flags=re.M)[1:]
     return {body.split("(", 1)[0]: body for body in bodies}
 

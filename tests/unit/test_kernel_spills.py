@@ -9,14 +9,12 @@ conv asks the driver for is sized to."""
 
 import os
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from nvcc_unit import compile_unit
 
-from installer.compile import native
 from installer.core import shipped
-from installer.detect import toolchain
 
 ROOT = shipped.SOURCE_ROOT
 # The streaming multi-token kernel in layout vk at K = 128 for GDN (vLLM's MTP call), the few-token
@@ -29,14 +27,8 @@ PINNED = re.compile(r"decode_mtp_stream_kernelILb1ELi128E(13__nv_bfloat16|f)Lb0E
 def ptxas_report(unit: str, arch: str, out_dir) -> tuple[dict[str, int], dict[str, int]]:
     """Kernel (mangled name) -> bytes of spill stores, and -> bytes of static shared memory, as
     `ptxas -v` reports them for one unit."""
-    toolkit, why_not = toolchain.find_cuda("linux", os.environ)  # the nvcc a local build would use
-    if toolkit is None:
-        pytest.skip(why_not)
-    flags = native.nvcc_flags(native.parse_archs([arch]), compress=False, threads=1)
-    run = subprocess.run([toolkit.nvcc, *flags, "-Xptxas", "-v", "-cubin", "-o", str(out_dir / "unit.cubin"),
-                          str(ROOT / "kernels" / "units" / unit)], capture_output=True, text=True, check=True)
     spills, smem, name = {}, {}, None
-    for line in run.stderr.splitlines():
+    for line in compile_unit(unit, arch, out_dir / "unit.cubin", "-Xptxas", "-v", "-cubin").splitlines():
         if m := re.search(r"Function properties for (\S+)", line):
             name = m.group(1)
         elif (m := re.search(r"(\d+) bytes spill stores", line)) and name:
