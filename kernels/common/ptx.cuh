@@ -50,12 +50,19 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
 }
-// Stores x at `local` (this block's shared memory) as seen in the shared memory of cluster block `rank`.
-__device__ __forceinline__ void store_cluster(float* local, unsigned rank, float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The address of `local` (this block's shared memory) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ uint32_t cluster_address(const void* local, unsigned rank) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(local));
   uint32_t remote;
   asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+  return remote;
+}
+#endif
+// Stores x at `local` (this block's shared memory) as seen in the shared memory of cluster block `rank`.
+__device__ __forceinline__ void store_cluster(float* local, unsigned rank, float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t remote = cluster_address(local, rank);
   // No "memory" clobber: it would keep the compiler from moving shared loads across the store in a
   // kernel's loop; the cluster barrier before any read of the value orders it.
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(x));
@@ -84,13 +91,8 @@ __device__ __forceinline__ void expect_sends(uint64_t* bar, unsigned bytes) {
 // Stores x at `local` as seen in cluster block `rank`, counted by that block's barrier `bar`.
 __device__ __forceinline__ void send_cluster(float* local, unsigned rank, float x, uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(local));
-  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  uint32_t ra, rb;
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"(rank));
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(ra),
-               "r"(__float_as_uint(x)), "r"(rb)
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               ::"r"(cluster_address(local, rank)), "r"(__float_as_uint(x)), "r"(cluster_address(bar, rank))
                : "memory");
 #else
   *local = x;
