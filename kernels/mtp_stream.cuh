@@ -143,13 +143,25 @@ __host__ __device__ constexpr bool late_epilogue_sums() {
 #endif
 }
 
+// Whether the sends build (SENDS) sends in this compile pass. From sm_100 it compiles the stores and
+// the cluster barrier instead: ptxas spilled 8 bytes a thread in its sm_120 bf16 build (shipped
+// flags; sm_90a and sm_100 none), and no GPU here times either image.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr bool kSendsBodies = false;
+#else
+constexpr bool kSendsBodies = true;
+#endif
+
 // STAGE_FIRST: the first pass's staging loads go out before the state's copies, not after
 // (kStreamStageFirstBuild: which calls take this build). TS: the tokens a pass stages
 // (kStreamTokens, or kStreamLongTokens). R: rows a chunk (kStreamRows, or kStreamShortRows).
 // FW, FG: the launch's warps a block and row groups a head, where the build holds them as constants
 // (0: blockDim and gridDim.z), so that the ring's depth, a warp's chunks and an output's token and
 // row are constants, not divisions (the vLLM profile's builds, decode_mtp_stream_kernel).
-template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST, int TS, int R, int FW = 0, int FG = 0>
+// SENDS: the build launched in clusters, whose blocks send the epilogue's sums with st.async,
+// counted by a transaction barrier (kStreamSendsBuild: which calls take it).
+template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST, int TS, int R, int FW = 0, int FG = 0,
+          bool SENDS = false>
 __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   using Sh = StreamShape<VK, K, ST, R>;
   constexpr int NV = Sh::NV, NK = Sh::NK, LPR = Sh::LPR, F = LPR / NV;
@@ -164,6 +176,7 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   __shared__ float s_ss[TS][kStreamMaxV<K> / R];
   __shared__ int64_t s_dst[TS];
   __shared__ float s_o[TS][kStreamMaxV<K>], s_v[TS][kStreamMaxV<K>];
+  __shared__ uint64_t s_sent;  // SENDS: the head's sums arrived (send_cluster)
   pdl_wait_early(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = FW > 0 ? FW : blockDim.x / 32;
   const unsigned threads = FW > 0 ? FW * 32u : blockDim.x;
@@ -176,9 +189,10 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   // cluster (launch_mtp_stream) and they exchange them through distributed shared memory.
   const int groups = FG > 0 ? FG : static_cast<int>(gridDim.z), chunks = V / R / groups, c0 = static_cast<int>(blockIdx.z) * chunks;
   const int row0 = c0 * R, rows = chunks * R;
-  const bool clustered = groups > 1 && cluster_size() > 1;
-  const bool epilogue = p.gate_activation > 0 && (groups == 1 || clustered);
   constexpr bool kLateSums = late_epilogue_sums<ST>();
+  constexpr bool kSends = SENDS && kSendsBodies;
+  const bool clustered = kSends || (groups > 1 && cluster_size() > 1);
+  const bool epilogue = p.gate_activation > 0 && (groups == 1 || clustered);
 
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t i = threadIdx.x; i < (end - first) * rows; i += threads)
@@ -187,9 +201,14 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   int64_t bos, len, start;
   // A cluster's blocks share the request, so they all return here or none does.
   if (!request_span(p, n, zero_rows, bos, len, start)) return;
-  // Distributed shared memory is written only once every block of the cluster runs: this arrival is
-  // waited for after the staging.
-  if (clustered) cluster_arrive_relaxed();
+  // Distributed shared memory is written only once every block of the cluster runs (SENDS: its
+  // barrier initialised for the request's sums, its tokens times the head's V / R chunk sums; one
+  // pass, as the build takes idx [N, C] with C <= TS and request_span skips longer requests): this
+  // arrival is waited for after the staging.
+  if (clustered) {
+    if (kSends && threadIdx.x == 0) expect_sends(&s_sent, static_cast<unsigned>(len * (V / R) * sizeof(float)));
+    cluster_arrive_relaxed();
+  }
   const int64_t block = p.K * p.V;
   ST* const pool = static_cast<ST*>(p.state);
   ST* const src = pool + start * p.state_stride_p + hv * block;
@@ -389,8 +408,9 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
             if (writer) s_o[t][my_row] = o;
             if (!clustered) {
               if (lane == 0) s_ss[t][v0 / R] = ss;
-            } else if (lane < groups) {
-              store_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss);  // into every block of the head
+            } else if (lane < groups) {  // into every block of the head
+              if constexpr (kSends) send_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss, &s_sent);
+              else store_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss);
             }
           } else if (writer) {
             s_o[t][my_row] = o;
@@ -438,11 +458,19 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
           if (!clustered) {
             s_ss[t][c] = ss;
           } else {
-            for (int g = 0; g < groups; ++g) store_cluster(&s_ss[t][c], static_cast<unsigned>(g), ss);
+            for (int g = 0; g < groups; ++g) {
+              if constexpr (kSends) send_cluster(&s_ss[t][c], static_cast<unsigned>(g), ss, &s_sent);
+              else store_cluster(&s_ss[t][c], static_cast<unsigned>(g), ss);
+            }
           }
         }
       }
-      if (clustered) {
+      if constexpr (kSends) {
+        // The block's outputs, then the head's sums: no release barrier, so the state's stores
+        // drain while the outputs are normed.
+        __syncthreads();
+        wait_sends(&s_sent);
+      } else if (clustered) {
         cluster_arrive();
         cluster_wait();
       } else {
@@ -494,21 +522,23 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
 // heads, B=32-512: bf16 0.99-1.01x main's time, fp32 level) and spilled 4 bytes a thread at sm_90a
 // (bf16) and 36 at sm_80 (fp32): it has none.
 template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST = false, int TS = kStreamTokens,
-          int R = kStreamRows, bool VP = false>
+          int R = kStreamRows, bool VP = false, bool SENDS = false>
 __global__ void __launch_bounds__(512) decode_mtp_stream_kernel(const GdnDecodeParams p) {
-  if constexpr (VP && kProfileBodies) {
+  if constexpr (SENDS && !kClusterBodies) {
+    __trap();  // launched in clusters, so from sm_90 images only (GdnDecodeParams::clusters)
+  } else if constexpr (VP && kProfileBodies) {
     if constexpr (R == kStreamShortRows) {
       // The short-chunk launch's geometry too (launch_mtp_stream_short), which V = 128 fixes.
-      stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R, kStreamShortWarps, kVllmProfileV / (R * kStreamShortWarps)>(
-          vllm_profile_params<K, true>(p));
+      stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R, kStreamShortWarps, kVllmProfileV / (R * kStreamShortWarps),
+                  SENDS>(vllm_profile_params<K, true>(p));
     } else {
       // The staging-first launch (launch_mtp_stream): its geometry as constants too spilled 12-52 bytes
       // a thread (ptxas -v, sm_90a), its dtypes and index widths alone none.
-      static_assert(STAGE_FIRST, "the profile's builds: short-chunk and staging-first");
+      static_assert(STAGE_FIRST && !SENDS, "the profile's builds: short-chunk and staging-first");
       stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(vllm_profile_params<K, false>(p));
     }
   } else {
-    stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R>(p);
+    stream_step<VK, K, ST, PER_CHANNEL, STAGE_FIRST, TS, R, 0, 0, SENDS>(p);
   }
 }
 
@@ -588,6 +618,21 @@ constexpr bool kStreamStageFirstBuild = VK && K == 128 && !std::is_same_v<ST, fl
 // H200, main's 8-row grid -> this build, µs: 4/8 heads B=1 T=4 / 8 bf16 8.0 / 11.7 -> 7.1 / 10.0, fp32
 // 8.4 / 12.4 -> 7.6 / 10.6; 16/32 B=1 fp32 T=4 / 8 10.6 / 15.0 -> 9.6 / 14.3; no cell of the rule
 // slower (benchmarks/results-h200-small-grid.md).
+// The sends build (SENDS): where the launch makes clusters of a head's row groups for the epilogue,
+// GDN in vLLM's layout at K = 128 with checkpoint columns (idx [N, C], C <= kStreamTokens: one pass),
+// the blocks send their sums with st.async, counted by a transaction barrier, in place of stores
+// and a cluster barrier, whose arrive releases (MEMBAR.ALL.GPU): each warp then first waited for
+// its state stores to be performed. A separate build: the same exchange in the one build slowed
+// the grids that make no cluster by 1.2-4% (H100, bf16 B=32 T=4 67.9 -> 70.6 µs; the variant,
+// benchmarks/results-h100-async-sums.md), and those keep the kernel they had.
+template <bool VK, int K, int TS>
+constexpr bool kStreamSendsBuild = VK && K == 128 && TS == kStreamTokens;
+template <bool VK, int K, int TS>
+bool stream_sends_launch(const GdnDecodeParams& p, unsigned groups) {
+  return kStreamSendsBuild<VK, K, TS> && p.gate_activation > 0 && groups > 1 && !p.g_per_channel && p.idx_columns > 0 &&
+         p.idx_columns <= TS;
+}
+
 template <bool VK, int K, typename ST>
 bool short_chunk_launch(const GdnDecodeParams& p) {
   constexpr int block_rows = kStreamShortRows * kStreamShortWarps;
@@ -606,6 +651,11 @@ int launch_mtp_stream_short(const GdnDecodeParams& p, cudaStream_t stream) {
   const int chunk_bytes = kStreamChunkRaws<VK, K, ST, R> * 32 * 16;
   const size_t ring = size_t(W) * stream_ring_depth(W, W, chunk_bytes) * chunk_bytes;
   const dim3 grid = request_head_grid(p, groups), block(W * 32), cluster(1, 1, p.gate_activation > 0 ? groups : 1u);
+  if (stream_sends_launch<VK, K, kStreamTokens>(p, groups)) {
+    constexpr auto generic_sends = decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R, false, true>;
+    constexpr auto fixed_sends = decode_mtp_stream_kernel<VK, K, ST, false, false, kStreamTokens, R, true, true>;
+    return launch_profile_or_generic<generic_sends, fixed_sends>(p, grid, block, stream, ring, cluster);
+  }
   return launch_profile_or_generic<generic, fixed>(p, grid, block, stream, ring, cluster);
 }
 
@@ -661,6 +711,13 @@ int launch_mtp_stream(const GdnDecodeParams& p, cudaStream_t stream) {
       constexpr auto generic = decode_mtp_stream_kernel<VK, K, ST, false, true>;
       constexpr auto fixed = decode_mtp_stream_kernel<VK, K, ST, false, true, kStreamTokens, kStreamRows, true>;
       return launch_profile_or_generic<generic, fixed>(p, grid, block, stream, ring, cluster);
+    }
+  }
+  if constexpr (kStreamSendsBuild<VK, K, TS>) {
+    if (stream_sends_launch<VK, K, TS>(p, static_cast<unsigned>(groups))) {
+      constexpr auto sends = decode_mtp_stream_kernel<VK, K, ST, false, false, TS, kStreamRows, false, true>;
+      if (const int err = allow_dynamic_smem<sends>(p.device, ring)) return err;
+      return launch_decode(sends, grid, block, p, stream, ring, cluster);
     }
   }
   if (const int err = allow_dynamic_smem<decode_mtp_stream_kernel<VK, K, ST, false, false, TS>>(p.device, ring)) return err;

@@ -23,6 +23,14 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// Whether this compile pass has clusters: a build launched only in clusters has its body in sm_90+
+// images alone (the host pass's value is not used).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool kClusterBodies = false;
+#else
+constexpr bool kClusterBodies = true;
+#endif
+
 // Thread block clusters (sm_90+; launched only from sm_90+ images, GdnDecodeParams::clusters).
 // cluster_size: the blocks of this block's cluster, 1 where the launch made none. The barrier's
 // arrive (release) and wait (acquire) are each executed by every thread of every block.

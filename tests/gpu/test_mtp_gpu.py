@@ -195,7 +195,7 @@ def test_the_staging_first_build_computes_the_same_step(share, case, profile):
     assert sms / 2 < pairs <= 2 * sms  # inside the build's range of the launch rule
     assert (pairs <= sms) == (share < 1)  # a warp a chunk, or 8-warp blocks past the SMs
     names = _kernels_launched(case)
-    assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*false,\s*true,\s*8,\s*8,\s*{str(profile).lower()}>", names[0]), names
+    assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*false,\s*true,\s*8,\s*8,\s*{str(profile).lower()},\s*false>", names[0]), names
     mc.run_and_check(case, DEVICE)
 
 
@@ -259,8 +259,8 @@ def _kernels_launched(case) -> list[str]:
 
 
 # Which build the columns pick (kernels/mtp.cuh), from the kernel's name as the profiler records it:
-# the tokens a pass stages and the rows a chunk (the streaming kernel's last two template
-# arguments), or the resident kernel.
+# the tokens a pass stages and the rows a chunk (the streaming kernel's template arguments after the
+# staging order), or the resident kernel.
 @pytest.mark.parametrize("tokens, staged", [("T8", 8), ("T9", 16), ("T16", 16), ("T17", None)])
 def test_the_checkpoint_columns_pick_the_build(tokens, staged):
     names = _kernels_launched(mc.Case(H=16, N=32, tokens=tokens, slots="ckpt", seed=811))
@@ -268,7 +268,7 @@ def test_the_checkpoint_columns_pick_the_build(tokens, staged):
     if staged is None:
         assert "decode_mtp_kernel<" in names[0], names
     else:
-        assert re.search(rf"decode_mtp_stream_kernel<.*,\s*{staged},\s*8,\s*false>", names[0]), names
+        assert re.search(rf"decode_mtp_stream_kernel<.*,\s*{staged},\s*8,\s*false,\s*false>", names[0]), names
 
 
 # The short-chunk build where requests x value heads <= SMs / 4, the 8-row build past that.
@@ -277,7 +277,7 @@ def test_the_grid_picks_the_rows_a_chunk(share, rows):
     case = mc.sized_for(share, mc.Case(H=4, tokens="T8", seed=812), torch.cuda.get_device_properties(0).multi_processor_count)
     names = _kernels_launched(case)
     assert len(names) == 1, names
-    assert re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*{rows},\s*(true|false)>", names[0]), names
+    assert re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*{rows},\s*(true|false),\s*(true|false)>", names[0]), names
 
 
 # The short-chunk build's vLLM profile (vllm_profile, kernels/mtp_stream.cuh): vLLM's call (bf16 q, k,
@@ -299,7 +299,7 @@ PROFILE = [(mc.Case(H=4, tokens="T8", seed=830), True),
 def test_vllms_call_takes_the_short_chunk_build_of_its_profile(case, fixed):
     case = mc.sized_for(0.25, case, torch.cuda.get_device_properties(0).multi_processor_count)
     names = _kernels_launched(case)
-    assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*4,\s*{str(fixed).lower()}>", names[0]), names
+    assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*4,\s*{str(fixed).lower()},\s*(true|false)>", names[0]), names
     mc.run_and_check(case, DEVICE)
 
 
@@ -308,7 +308,38 @@ def test_an_fp8_output_takes_the_generic_short_chunk_build():
     mc.check_fp8_output(case, DEVICE)
     step, scale = mc.build(case, DEVICE), torch.tensor([0.02], device=DEVICE)
     names = mc.kernels_launched(lambda: mc.fp8_call(case, step.t, step.state, scale, None))
-    assert len(names) == 1 and re.search(r"decode_mtp_stream_kernel<.*,\s*8,\s*4,\s*false>", names[0]), names
+    assert len(names) == 1 and re.search(r"decode_mtp_stream_kernel<.*,\s*8,\s*4,\s*false,\s*(true|false)>", names[0]), names
+
+
+# The streaming kernel's sends build (kernels/mtp_stream.cuh, stream_sends_launch): where a head's row
+# groups make a cluster for the epilogue and the call has checkpoint columns (one pass), the blocks
+# send their sums with st.async; the same grids without the epilogue (no cluster) or with idx [N]
+# (an fp32 state over two passes) keep the build with the cluster barrier. The short-chunk grid
+# (vLLM's call, and off its profile) and the 8-row grid's row groups; from the kernel's last
+# template argument, on a GPU with clusters (sm_90+). Each computes the same step.
+SENDS = [("short", mc.Case(H=4, tokens="T8", seed=850), True),
+         ("short", mc.Case(H=4, tokens="T4", state="fp32", io="fp32", epilogue="sigmoid", seed=851), True),
+         ("short", mc.Case(H=4, tokens="T8", slots="ckpt", epilogue="none", seed=852), False),
+         ("groups", mc.Case(H=8, group=1, seed=853), True),
+         ("groups", mc.Case(H=1, group=1, tokens="T3", state="fp32", slots="ckpt", index="int64", seed=854), True),
+         ("groups", mc.Case(H=1, group=1, tokens="T12", slots="final", state="fp32", seed=855), False)]
+
+
+@pytest.mark.parametrize("grid, case, sends", SENDS, ids=lambda x: mc.case_id(x) if isinstance(x, mc.Case) else str(x))
+def test_clustered_epilogues_with_checkpoint_columns_take_the_sends_build(grid, case, sends):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if grid == "short":
+        case = mc.sized_for(0.25, case, sms)
+        assert case.N * case.H * case.group * 4 <= sms  # the short-chunk rule
+    else:
+        case = replace(case, N=len(mc.VARLEN) if case.tokens == "varlen" else max(6, sms // 3))
+        assert case.N * case.H * case.group * 4 > sms  # past it: the 8-row grid, in row groups
+    names = _kernels_launched(case)
+    clusters = torch.cuda.get_device_capability(0)[0] >= 9
+    rows = 4 if grid == "short" else 8
+    assert len(names) == 1 and re.search(rf"decode_mtp_stream_kernel<.*,\s*8,\s*{rows},\s*(true|false),\s*{str(sends and clusters).lower()}>",
+                                         names[0]), names
+    mc.run_and_check(case, DEVICE)
 
 
 def _profile_on_sm90(case) -> bool:
