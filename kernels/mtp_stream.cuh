@@ -159,7 +159,7 @@ constexpr bool kSendsBodies = true;
 // (0: blockDim and gridDim.z), so that the ring's depth, a warp's chunks and an output's token and
 // row are constants, not divisions (the vLLM profile's builds, decode_mtp_stream_kernel).
 // SENDS: the build launched in clusters, whose blocks send the epilogue's sums with st.async,
-// counted by a transaction barrier (kStreamSendsBuild: which calls take it).
+// counted by a transaction barrier (stream_sends_launch: which calls take it).
 template <bool VK, int K, typename ST, bool PER_CHANNEL, bool STAGE_FIRST, int TS, int R, int FW = 0, int FG = 0,
           bool SENDS = false>
 __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
