@@ -194,6 +194,11 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
   const bool clustered = kSends || (groups > 1 && cluster_size() > 1);
   const bool epilogue = p.gate_activation > 0 && (groups == 1 || clustered);
 
+  // A chunk's sum of squares into `slot` of cluster block `rank` (SENDS: counted by its barrier).
+  auto push_sum = [&](float* slot, unsigned rank, float ss) {
+    if constexpr (kSends) send_cluster(slot, rank, ss, &s_sent);
+    else store_cluster(slot, rank, ss);
+  };
   auto zero_rows = [&](int64_t first, int64_t end) {
     for (int64_t i = threadIdx.x; i < (end - first) * rows; i += threads)
       store_out_zero(p, (first + i / rows) * p.out_stride_n + hv * p.out_stride_h + row0 + i % rows);
@@ -408,9 +413,8 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
             if (writer) s_o[t][my_row] = o;
             if (!clustered) {
               if (lane == 0) s_ss[t][v0 / R] = ss;
-            } else if (lane < groups) {  // into every block of the head
-              if constexpr (kSends) send_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss, &s_sent);
-              else store_cluster(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss);
+            } else if (lane < groups) {
+              push_sum(&s_ss[t][v0 / R], static_cast<unsigned>(lane), ss);  // into every block of the head
             }
           } else if (writer) {
             s_o[t][my_row] = o;
@@ -458,10 +462,7 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
           if (!clustered) {
             s_ss[t][c] = ss;
           } else {
-            for (int g = 0; g < groups; ++g) {
-              if constexpr (kSends) send_cluster(&s_ss[t][c], static_cast<unsigned>(g), ss, &s_sent);
-              else store_cluster(&s_ss[t][c], static_cast<unsigned>(g), ss);
-            }
+            for (int g = 0; g < groups; ++g) push_sum(&s_ss[t][c], static_cast<unsigned>(g), ss);
           }
         }
       }
