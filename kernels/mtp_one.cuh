@@ -361,7 +361,9 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // kernels of two-tile warps to eight pairs an SM (B=16 +3.5%); fp32 in clusters of 4-warp blocks of
 // 4 rows a warp (the decode alone's tile; B=1 worse than two warps of 8), in 32-warp block kernels at
 // a pair an SM (B=4 +9%, +15% without the evict-first state); clusters up to a pair an SM (B=4 fp32
-// +32%, bf16 +52%).
+// +32%, bf16 +52%). Again on an H100 with the sums by st.async, clusters to two or eight pairs an SM:
+// 16/32 B=4 / 8 bf16 6.5 / 9.1 -> 8.6 / 12.7 µs, fp32 9.0 / 13.9 -> 10.3 / 16.0, B=1-2 level
+// (benchmarks/results-h100-one-token-clusters.md).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
