@@ -467,9 +467,9 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
         }
       }
       if constexpr (kSends) {
-        // The block's outputs, then the head's sums: no release barrier, so the state's stores
-        // drain while the outputs are normed.
-        __syncthreads();
+        // The block's outputs (kLateSums: the barrier before the sums ordered them), then the head's
+        // sums: no release barrier, so the state's stores drain while the outputs are normed.
+        if constexpr (!kLateSums) __syncthreads();
         wait_sends(&s_sent);
       } else if (clustered) {
         cluster_arrive();
