@@ -86,12 +86,8 @@ __device__ __forceinline__ void one_block_store(const GdnDecodeParams& p, const 
   store_out(p, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
 }
 
-template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1>
-__global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW, TPW>()))
-    decode_vk_one_kernel(const GdnDecodeParams p) {
-  static_assert(BW * TPW >= kMaxOneRows / 16, "at most 16 warps a head");
-  __shared__ float s_o[kMaxOneRows];
-  __shared__ float s_sumsq[16];
+template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW>
+__device__ __forceinline__ void one_block_step(const GdnDecodeParams& p, float* s_o, float* s_sumsq) {
   pdl_wait_early(p);  // and pdl_wait_late in warp_step
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t n = block_request(p), hv = block_head(p);
@@ -103,6 +99,22 @@ __global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_m
   warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start,
                                                             start, &epi);
   one_block_store(p, out, warp, warps, bos, hv, s_o, s_sumsq, epi.sumsq);
+}
+
+// VP: the build of vLLM's call (vllm_profile, GDN only): its dtypes, index widths and V = 128 as
+// constants, as the few-token kernel's (from sm_100 the generic body, as there).
+template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1, bool VP = false>
+__global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW, TPW>()))
+    decode_vk_one_kernel(const GdnDecodeParams p) {
+  static_assert(BW * TPW >= kMaxOneRows / 16, "at most 16 warps a head");
+  static_assert(!VP || !PER_CHANNEL, "vLLM's profile is GDN's call");
+  __shared__ float s_o[kMaxOneRows];
+  __shared__ float s_sumsq[16];
+  if constexpr (VP && kProfileBodies) {
+    one_block_step<K, ST, BW, PER_CHANNEL, STREAM, TPW>(vllm_profile_params<K, true>(p), s_o, s_sumsq);
+  } else {
+    one_block_step<K, ST, BW, PER_CHANNEL, STREAM, TPW>(p, s_o, s_sumsq);
+  }
 }
 
 // decode_vk_one_staged_kernel: decode_vk_one_kernel's build of 8 warps of two 8-row tiles, the
@@ -166,10 +178,8 @@ constexpr int one_warp_min_blocks() {
 // clusters of one-warp blocks cost far more than it (bf16 B=512: 388 -> 580 µs; B=4 already
 // 6.7 -> 9.9 against the block kernel), so launch_vk_one takes it only below half a (request, head)
 // pair an SM.
-template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool CLUSTER_EPI = false, int WPB = 1>
-__global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW, WPB>()))
-    decode_vk_one_warp_kernel(const GdnDecodeParams p) {
-  static_assert(WPB == 1 || CLUSTER_EPI, "blocks of several warps only in clusters");
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool CLUSTER_EPI, int WPB>
+__device__ __forceinline__ void one_warp_step(const GdnDecodeParams& p) {
   constexpr int ROWS = BW * TPW;
   __shared__ float s_o[CLUSTER_EPI ? kMaxOneRows : 1];
   __shared__ float s_ss[CLUSTER_EPI ? kMaxOneRows / ROWS : 1];
@@ -213,6 +223,21 @@ __global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW,
     const float o = gated_rms_norm(p, s_o[row0 + lane], total, widen_bits(w_bits, p.norm_weight_dtype),
                                    widen_bits(z_bits, p.z_dtype));
     store_out(p, bos * p.out_stride_n + hv * p.out_stride_h + row0 + lane, o);
+  }
+}
+
+// VP: the build of vLLM's call (vllm_profile, GDN only), as decode_vk_one_kernel's; only the
+// clustered build is launched with it (launch_vk_one_cluster).
+template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool CLUSTER_EPI = false, int WPB = 1,
+          bool VP = false>
+__global__ void __launch_bounds__(32 * WPB, (one_warp_min_blocks<K, ST, BW, TPW, WPB>()))
+    decode_vk_one_warp_kernel(const GdnDecodeParams p) {
+  static_assert(WPB == 1 || CLUSTER_EPI, "blocks of several warps only in clusters");
+  static_assert(!VP || (CLUSTER_EPI && !PER_CHANNEL), "vLLM's profile is GDN's call, clustered");
+  if constexpr (VP && kProfileBodies) {
+    one_warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, CLUSTER_EPI, WPB>(vllm_profile_params<K, true>(p));
+  } else {
+    one_warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, CLUSTER_EPI, WPB>(p);
   }
 }
 
@@ -260,8 +285,16 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
 
 template <int K, typename ST, int BW, bool STREAM, int TPW = 1>
 int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
+  const dim3 grid = request_head_grid(p), block(static_cast<unsigned>(p.V / (BW * TPW)) * 32);
+  // No profile twin for bf16's two-tile build (past eight pairs an SM, bandwidth-bound): ptxas gave
+  // it 150 registers against the generic build's 128 (ptxas -v, sm_90a), three blocks an SM, not four.
+  if constexpr (TPW == 1 || std::is_same_v<ST, float>) {
+    if (!p.g_per_channel)
+      return launch_profile_or_generic<decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>,
+                                       decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW, true>>(p, grid, block, stream);
+  }
   auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM, TPW> : decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>;
-  return launch_decode(kernel, request_head_grid(p), dim3(static_cast<unsigned>(p.V / (BW * TPW)) * 32), p, stream);
+  return launch_decode(kernel, grid, block, p, stream);
 }
 
 // The staged build's blocks an SM by its decay: GDN's per-head gate leaves the registers for a fourth
@@ -303,10 +336,12 @@ int launch_vk_one_split(const GdnDecodeParams& p, cudaStream_t stream) {
 // at most 8 blocks a head (V / (BW * TPW * WPB)).
 template <int K, typename ST, int BW, int TPW, bool STREAM, int WPB = 1>
 int launch_vk_one_cluster(const GdnDecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.g_per_channel ? decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM, true, WPB>
-                                : decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM, true, WPB>;
-  const dim3 grid = one_warp_grid<BW, TPW, WPB>(p);
-  return launch_decode(kernel, grid, dim3(32 * WPB), p, stream, 0, dim3(grid.x, 1, 1));
+  const dim3 grid = one_warp_grid<BW, TPW, WPB>(p), block(32 * WPB), cluster(grid.x, 1, 1);
+  if (p.g_per_channel)
+    return launch_decode(decode_vk_one_warp_kernel<K, ST, BW, true, TPW, STREAM, true, WPB>, grid, block, p, stream, 0, cluster);
+  return launch_profile_or_generic<decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM, true, WPB>,
+                                   decode_vk_one_warp_kernel<K, ST, BW, false, TPW, STREAM, true, WPB, true>>(
+      p, grid, block, stream, 0, cluster);
 }
 
 // Whether the one-warp grid of BW * TPW rows a warp, WPB warps a block, can take the epilogue in

@@ -445,6 +445,37 @@ def test_vllms_call_takes_the_few_token_build_of_its_profile(share, build, case,
     mc.run_and_check(case, DEVICE)
 
 
+# The one-token kernels' builds of vLLM's profile (kernels/mtp_one.cuh, the last template argument
+# VP): vLLM's call at T = 1 (idx [N, 1], num_accepted_tokens) takes the build that holds its dtypes,
+# index widths and V = 128 as constants in the one-warp grid's clusters (below half a (request,
+# value head) pair an SM) and the block kernel's one-tile builds (bf16 16 rows a warp to two pairs
+# an SM, 8 rows to eight; fp32 8 rows to one pair an SM, two 8-row tiles past it); bf16's two-tile
+# build past eight pairs an SM has no twin; a call off the profile takes the generic build. Both
+# compute the same step.
+ONE_PROFILE = [(0.25, "one_warp", "__nv_bfloat16, 16, false, 1, true, true, 1", mc.Case(H=16, tokens="T1", seed=860), True),
+               (0.9, "one", "__nv_bfloat16, 16, false, true, 1", mc.Case(H=16, tokens="T1", seed=861), True),
+               (3, "one", "__nv_bfloat16, 8, false, true, 1", mc.Case(H=16, tokens="T1", seed=862), True),
+               (10, "one", "__nv_bfloat16, 16, false, true, 2", mc.Case(H=16, tokens="T1", seed=863), False),
+               (0.25, "one_warp", "float, 8, false, 1, true, true, 2", mc.Case(H=16, tokens="T1", state="fp32", seed=864), True),
+               (0.9, "one", "float, 8, false, true, 1", mc.Case(H=16, tokens="T1", state="fp32", seed=865), True),
+               (3, "one", "float, 8, false, true, 2", mc.Case(H=16, tokens="T1", state="fp32", slots="ckpt", seed=866), True),
+               (0.25, "one_warp", "__nv_bfloat16, 16, false, 1, true, true, 1", mc.Case(H=16, tokens="T1", io="fp16", seed=867), False),
+               (0.9, "one", "__nv_bfloat16, 16, false, true, 1", mc.Case(H=16, tokens="T1", index="int64", seed=868), False),
+               (3, "one", "float, 8, false, true, 2", mc.Case(H=16, tokens="T1", state="fp32", gates="pre", seed=869), False)]
+
+
+@pytest.mark.parametrize("share, kernel, build, case, profile", ONE_PROFILE,
+                         ids=lambda x: (str(x) if isinstance(x, bool) else f"{x}sms" if isinstance(x, (int, float))
+                                        else mc.case_id(x) if isinstance(x, mc.Case) else str(x)))
+def test_vllms_call_takes_the_one_token_build_of_its_profile(share, kernel, build, case, profile):
+    if kernel == "one_warp" and torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("the one-token kernel's clusters are built for sm_90+ images")
+    case = mc.sized_for(share, case, torch.cuda.get_device_properties(0).multi_processor_count)
+    names = _kernels_launched(case)
+    assert len(names) == 1 and re.search(rf"decode_vk_{kernel}_kernel<128,\s*{build},\s*{str(profile).lower()}>", names[0]), names
+    mc.run_and_check(case, DEVICE)
+
+
 # vLLM's call, and dense tokens with checkpoints in KDA on the other layout
 FUSED = [mc.Case(seed=510),
          mc.Case(kind="kda", tokens="T4", slots="ckpt", layout="kv", state="fp32", epilogue="sigmoid", seed=511)]

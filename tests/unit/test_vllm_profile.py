@@ -1,4 +1,4 @@
-"""The vLLM profile's builds (kernels/mtp_common.cuh; the streaming and few-token kernels have them)
+"""The vLLM profile's builds (kernels/mtp_common.cuh; the streaming, few-token and one-token kernels have them)
 run a call with fix_vllm_profile's constants in place of the call's own fields; vllm_profile decides
 which calls take them. Were fix_vllm_profile to set a field that vllm_profile does not ask for, a
 call that differs there would take the build and run with a value it never had. Here both, compiled
