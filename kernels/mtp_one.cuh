@@ -287,7 +287,8 @@ template <int K, typename ST, int BW, bool STREAM, int TPW = 1>
 int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   const dim3 grid = request_head_grid(p), block(static_cast<unsigned>(p.V / (BW * TPW)) * 32);
   // No profile twin for bf16's two-tile build (past eight pairs an SM, bandwidth-bound): ptxas gave
-  // it 150 registers against the generic build's 128 (ptxas -v, sm_90a), three blocks an SM, not four.
+  // it 150 registers against the generic build's 128 (ptxas -v, sm_90a), three blocks an SM, not four;
+  // held to 128 by a launch bound of four blocks an SM, it spills (28 bytes a thread).
   if constexpr (TPW == 1 || std::is_same_v<ST, float>) {
     if (!p.g_per_channel)
       return launch_profile_or_generic<decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>,
