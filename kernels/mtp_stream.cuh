@@ -375,6 +375,10 @@ __device__ __forceinline__ void stream_step(const GdnDecodeParams& p) {
       const int my_row = v0 + row_of<Sh, VK>(lane, mine);
       // Not unrolled: the body is the kernel's bulk, and eight copies of it cost the release 2.5x its
       // compile time and size for no measured speed (benchmarks/results-h100-mtp.md).
+      // One token a round. Two other forms lost on an H100 (benchmarks/results-h100-token-loop.md):
+      // every sum taken against the starting row, then a triangular solve a row (1.10-1.36x the
+      // time); two tokens a round (0.96x at 4/8 heads bf16 B <= 2 T=8, but 1.01-1.05x at B=4 and
+      // at 16/32 heads B=1).
 #pragma unroll 1
       for (int t = 0; t < tg; ++t) {
         // KDA: the per-channel decay folded into k and q; GDN: one decay a head, applied to the row
