@@ -286,16 +286,16 @@ __global__ void __launch_bounds__(128) gated_rms_norm_kernel(const GdnDecodePara
 template <int K, typename ST, int BW, bool STREAM, int TPW = 1>
 int launch_vk_one_rows(const GdnDecodeParams& p, cudaStream_t stream) {
   const dim3 grid = request_head_grid(p), block(static_cast<unsigned>(p.V / (BW * TPW)) * 32);
+  if (p.g_per_channel) return launch_decode(decode_vk_one_kernel<K, ST, BW, true, STREAM, TPW>, grid, block, p, stream);
   // No profile twin for bf16's two-tile build (past eight pairs an SM, bandwidth-bound): ptxas gave
   // it 150 registers against the generic build's 128 (ptxas -v, sm_90a), three blocks an SM, not four;
   // held to 128 by a launch bound of four blocks an SM, it spills (28 bytes a thread).
-  if constexpr (TPW == 1 || std::is_same_v<ST, float>) {
-    if (!p.g_per_channel)
-      return launch_profile_or_generic<decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>,
-                                       decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW, true>>(p, grid, block, stream);
+  if constexpr (TPW > 1 && !std::is_same_v<ST, float>) {
+    return launch_decode(decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>, grid, block, p, stream);
+  } else {
+    return launch_profile_or_generic<decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>,
+                                     decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW, true>>(p, grid, block, stream);
   }
-  auto kernel = p.g_per_channel ? decode_vk_one_kernel<K, ST, BW, true, STREAM, TPW> : decode_vk_one_kernel<K, ST, BW, false, STREAM, TPW>;
-  return launch_decode(kernel, grid, block, p, stream);
 }
 
 // The staged build's blocks an SM by its decay: GDN's per-head gate leaves the registers for a fourth
