@@ -372,7 +372,12 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 //   one_kernel_min_blocks). With the epilogue, past eight pairs an SM too: 4 warps of two 16-row
 //   tiles, the evict-first state up to 32 pairs an SM (H200, against the one-warp grid and the
 //   separate epilogue: B=64 / 128 / 256 / 512 41.2 / 75.5 / 144.2 / 286.65 -> 40.1 / 74.45 / 142.65
-//   / 278.8; the evict-first state to 64 pairs an SM lost 0.5% at B=256).
+//   / 278.8; the evict-first state to 64 pairs an SM lost 0.5% at B=256). GDN (per-head gates)
+//   takes that build from two and a half pairs an SM to four as well, where its four blocks an SM
+//   (128 registers, 4 warps) hold the grid in one wave and the 16 warps of 8 rows (64 registers,
+//   two blocks an SM) need two (H100, 16/32 / 4/8 / 16/64 / 32/32 heads at 512 pairs 0.94-0.98x
+//   the time, 384 pairs 0.98x; it lost 1.1% at 288, 2-6% at 768 and 1,024; not A/B'd on an H200:
+//   benchmarks/results-h100-one-token-band.md).
 // - fp32 with the epilogue: the block kernel too, 16 warps of 8 rows up to a pair an SM and 8 warps
 //   of two 8-row tiles (the warp kernel's build there) up to sixteen, where the separate epilogue's
 //   second launch cost more than the barrier (H200, HV=32: B=4..16 0.92-0.95x -> 1.02-1.10x vLLM's
@@ -425,6 +430,8 @@ int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
     if (pairs <= sms / 2 && one_cluster_fits<16, 1>(p)) return launch_vk_one_cluster<128, ST, 16, 1, true>(p, stream);
     if (pairs <= sms / 2 && !(epilogue && p.out_scale != nullptr)) return launch_vk_one_split<128, ST, 8, 1, false>(p, stream);
     if (pairs <= 2 * sms) return launch_vk_one_rows<128, ST, 16, true>(p, stream);
+    if (epilogue && !p.g_per_channel && 2 * pairs > 5 * sms && pairs <= 4 * sms)
+      return launch_vk_one_rows<128, ST, 16, true, 2>(p, stream);
     if (pairs <= 8 * sms) return launch_vk_one_rows<128, ST, 8, true>(p, stream);
     if (epilogue && pairs <= 32 * sms) return launch_vk_one_rows<128, ST, 16, true, 2>(p, stream);
     if (epilogue) return launch_vk_one_rows<128, ST, 16, false, 2>(p, stream);

@@ -449,12 +449,13 @@ def test_vllms_call_takes_the_few_token_build_of_its_profile(share, build, case,
 # VP): vLLM's call at T = 1 (idx [N, 1], num_accepted_tokens) takes the build that holds its dtypes,
 # index widths and V = 128 as constants in the one-warp grid's clusters (below half a (request,
 # value head) pair an SM) and the block kernel's one-tile builds (bf16 16 rows a warp to two pairs
-# an SM, 8 rows to eight; fp32 8 rows to one pair an SM, two 8-row tiles past it); bf16's two-tile
-# build past eight pairs an SM has no twin; a call off the profile takes the generic build. Both
-# compute the same step.
+# an SM, 8 rows from four to eight; fp32 8 rows to one pair an SM, two 8-row tiles past it); bf16's
+# two-tile build (from two and a half to four pairs an SM, and past eight) has no twin; a call off
+# the profile takes the generic build. Both compute the same step.
 ONE_PROFILE = [(0.25, "one_warp", "__nv_bfloat16, 16, false, 1, true, true, 1", mc.Case(H=16, tokens="T1", seed=860), True),
                (0.9, "one", "__nv_bfloat16, 16, false, true, 1", mc.Case(H=16, tokens="T1", seed=861), True),
-               (3, "one", "__nv_bfloat16, 8, false, true, 1", mc.Case(H=16, tokens="T1", seed=862), True),
+               (3, "one", "__nv_bfloat16, 16, false, true, 2", mc.Case(H=16, tokens="T1", seed=870), False),
+               (6, "one", "__nv_bfloat16, 8, false, true, 1", mc.Case(H=16, tokens="T1", seed=862), True),
                (10, "one", "__nv_bfloat16, 16, false, true, 2", mc.Case(H=16, tokens="T1", seed=863), False),
                (0.25, "one_warp", "float, 8, false, 1, true, true, 2", mc.Case(H=16, tokens="T1", state="fp32", seed=864), True),
                (0.9, "one", "float, 8, false, true, 1", mc.Case(H=16, tokens="T1", state="fp32", seed=865), True),
