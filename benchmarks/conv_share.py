@@ -150,8 +150,9 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
                 tops = [top for B, t, _ in small if (top := ceiling(median, state, B, t)) is not None]
                 reach = sum(top >= report.TARGET_SPEEDUP_SMALL_B for top in tops)
                 lines.append(f"- {state}, B <= {report.SMALL_B}: the pair at >= {report.TARGET_SPEEDUP_SMALL_B}x vLLM's "
-                             f"in {len(met)} of {len(small)} cells; with the conv fused at no cost in {reach} of "
-                             f"{len(tops)} (ceilings {min(tops):.2f}-{max(tops):.2f}x)")
+                             f"in {len(met)} of {len(small)} cells"
+                             + (f"; with the conv fused at no cost in {reach} of {len(tops)} (ceilings "
+                                f"{min(tops):.2f}-{max(tops):.2f}x)" if tops else ""))
             for name, what in ((OWN_PAIR, "cudelta's own pair (its conv, then its step)"),
                                (OWN_ONE_CALL, "cudelta's own pair in one call")):
                 own = [(B, t, r) for B in batches for t in tokens

@@ -100,6 +100,11 @@ def test_the_table_prints_the_pair_ratio_and_the_conv_share():
     text = conv_share.render({("bfloat16", 4, 1, "conv"): 2.0}, set(), ["bfloat16"], [4], [1], "H", [])
     assert "| 4 | 2.0 / — · — / — · — / — / — / — · — / — / — → — · — |" in text and "the conv is" not in text
     assert "own pair (its conv" not in text and "own pair in one call" not in text
+    # pairs timed at B <= 8 but no step alone (its run skipped): no ceiling claimed, and no crash on it
+    med = {("bfloat16", 1, 2, "conv"): 3.0, ("bfloat16", 1, 2, "conv+vllm-cuda"): 12.0,
+           ("bfloat16", 1, 2, "conv+cudelta"): 8.0}
+    text = conv_share.render(med, set(), ["bfloat16"], [1], [2], "H", [])
+    assert "- bfloat16, B <= 8: the pair at >= 1.5x vLLM's in 1 of 1 cells\n" in text and "ceilings" not in text
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
