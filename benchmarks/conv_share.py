@@ -142,8 +142,9 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
         shares = [s for B in batches for t in tokens if (s := conv_share(median, state, B, t)) is not None]
         ratios = [(B, t, r) for B in batches for t in tokens if (r := pair_ratio(median, state, B, t)) is not None]
         if shares:
-            lines.append(f"- {state}: the conv is {100 * min(shares):.0f}-{100 * max(shares):.0f}% of vLLM's pair; "
-                         f"vLLM's pair ÷ cudelta's {min(r for *_, r in ratios):.2f}-{max(r for *_, r in ratios):.2f}x")
+            lines.append(f"- {state}: the conv is {100 * min(shares):.0f}-{100 * max(shares):.0f}% of vLLM's pair"
+                         + (f"; vLLM's pair ÷ cudelta's {min(r for *_, r in ratios):.2f}-"
+                            f"{max(r for *_, r in ratios):.2f}x" if ratios else ""))
             small = [(B, t, r) for B, t, r in ratios if B <= report.SMALL_B]
             if small:
                 met = [c for c in small if c[2] >= report.TARGET_SPEEDUP_SMALL_B]

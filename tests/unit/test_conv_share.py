@@ -105,6 +105,10 @@ def test_the_table_prints_the_pair_ratio_and_the_conv_share():
            ("bfloat16", 1, 2, "conv+cudelta"): 8.0}
     text = conv_share.render(med, set(), ["bfloat16"], [1], [2], "H", [])
     assert "- bfloat16, B <= 8: the pair at >= 1.5x vLLM's in 1 of 1 cells\n" in text and "ceilings" not in text
+    # vLLM's pair timed but not cudelta's (its check skipped): the conv's share alone, no ratio claimed
+    med = {("bfloat16", 1, 2, "conv"): 3.0, ("bfloat16", 1, 2, "conv+vllm-cuda"): 12.0}
+    text = conv_share.render(med, set(), ["bfloat16"], [1], [2], "H", [])
+    assert "- bfloat16: the conv is 25-25% of vLLM's pair\n" in text and "B <= 8" not in text
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
