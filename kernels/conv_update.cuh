@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/conv_math.cuh"
 #include "common/dtype.cuh"
 #include "common/host.cuh"
 #include "common/ptx.cuh"
@@ -232,27 +233,6 @@ struct ConvAccess<void> {
   }
 };
 
-// One channel's output from its W weights, the W values of its sequence (seq(j): the window's
-// columns, then the token) and its bias: the products summed in tap order, then the bias, the
-// reference's order without contraction; SiLU with the fast exp and division (a few fp32 ulps, under
-// the output's rounding: the precise ones were most of a token's latency chain where few warps share
-// an SM). SiLU is computed whether asked or not, then selected: written `silu ? f(s) : s`, ptxas put a
-// branch around each channel's exp and reciprocal, and a token's 4 channels ran one after another
-// (H100, 16/32 heads, the conv alone: B = 1 T = 4 / 8 3.06 / 3.94 -> 2.50 / 2.96 µs, vLLM's 2.55 /
-// 3.11; B = 512 T = 4 / 8 65.0 / 97.2 -> 60.0 / 91.0; B = 32 T = 1 / 2 1-2% slower). Computing a batch's
-// tokens without the branch out of the loop at the request's end also let the tokens interleave,
-// but took 152 registers a thread (116 with it, bf16 at sm_90a) and was 12-53% slower than before
-// from B = 32 at T = 4 / 8 (benchmarks/results-h100-90d34eb.md).
-template <int W, typename Seq>
-__device__ __forceinline__ float conv_output(const float (&w)[W], const Seq& seq, float bias, bool silu) {
-  float s = __fmul_rn(w[0], seq(0));
-#pragma unroll
-  for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[j], seq(j)));
-  s = __fadd_rn(bias, s);
-  const float activated = __fdividef(s, 1.f + __expf(-s));
-  return silu ? activated : s;
-}
-
 // Request n's slot, rows [bos, eos) of x and the window's first column off: their loads go out
 // together (load_index_unbranched).
 struct Request {
@@ -276,9 +256,8 @@ __device__ __forceinline__ Request load_request(const ConvUpdateParams& p, int64
 // like a null slot: the reference raises for it, which a kernel cannot without a host sync, and
 // nothing is half-written.
 template <int W, typename A, int TB>
-__device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
+__device__ __forceinline__ void conv_update_requests(const ConvUpdateParams& p) {
   constexpr int C = A::C;
-  pdl_enter();
   const int64_t c = (int64_t(blockIdx.x) * kConvThreads + threadIdx.x) * C;
   if (c >= p.dim) return;
   // The first request's slot and span are loaded before the weights are widened, which waits for
@@ -327,7 +306,7 @@ __device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
           win[W - 1 + t][m] = xt;
           y[m] = A::to_state(p, conv_output<W>(w[m], [&](int j) { return win[t + j][m]; }, b[m], p.silu));
         }
-        A::store_out(p, bos + t0 + t, c, y);
+        if (!p.after_step) A::store_out(p, bos + t0 + t, c, y);
         A::store_state(p, col0, W - 2 + t0 + t, win[W - 1 + t]);
       }
       // A full batch's last W - 1 values open the next batch's window (only a full batch has a next).
@@ -337,6 +316,15 @@ __device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
         for (int m = 0; m < C; ++m) win[j][m] = win[TB + j][m];
     }
   }
+}
+
+// The update, entered as every kernel here enters (pdl_enter), or, after a step that read the
+// windows itself (p.after_step), straight away, waiting for that step's end only at its own.
+template <int W, typename A, int TB>
+__device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
+  if (!p.after_step) pdl_enter();
+  conv_update_requests<W, A, TB>(p);
+  if (p.after_step) pdl_enter();
 }
 
 template <int W, typename T, int TB>
