@@ -737,10 +737,12 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
   p.f32_taps_ds = taps && xo_runs4 && !cu_seqlens.has_value() && conv_state.size(2) == 3 &&
                   conv_state.stride(1) == 3 && conv_state.stride(2) == 1 &&
                   reinterpret_cast<uintptr_t>(conv_state.data_ptr()) % 8 == 0 && (conv_state.stride(0) * 2) % 8 == 0;
-  // The state-only pass after a step that read the windows (ConvUpdateParams::after_step): every
-  // build but the DS one, whose body has no such pass.
+  // The state-only pass after a step that read the windows (ConvUpdateParams::after_step): vLLM's
+  // GDN layer's conv, the only one such a step takes (conv_call_params).
+  CUDELTA_CHECK(!after_step || (p.vec && width == 4 && conv_state.scalar_type() == ScalarType::BFloat16), op,
+                ": after_step is the pass after a step with the conv in it: bf16 x, conv_state and weight [dim, 4] as "
+                "4-channel runs on their size; got ", dtype_name(x.scalar_type()), " x, width ", width);
   p.after_step = after_step;
-  p.f32_taps_ds = p.f32_taps_ds && !after_step;
   ImageInfo info{};
   select(device, -1, 1, &info);  // names a GPU this build has no image for
   p.pdl = pdl && info.cuda_arch >= 900;

@@ -255,7 +255,7 @@ __device__ __forceinline__ Request load_request(const ConvUpdateParams& p, int64
 // cannot hold (a slot out of range, rows outside x, a window or new state past state_len) is skipped
 // like a null slot: the reference raises for it, which a kernel cannot without a host sync, and
 // nothing is half-written.
-template <int W, typename A, int TB>
+template <int W, typename A, int TB, bool AFTER_STEP = false>
 __device__ __forceinline__ void conv_update_requests(const ConvUpdateParams& p) {
   constexpr int C = A::C;
   const int64_t c = (int64_t(blockIdx.x) * kConvThreads + threadIdx.x) * C;
@@ -306,7 +306,7 @@ __device__ __forceinline__ void conv_update_requests(const ConvUpdateParams& p) 
           win[W - 1 + t][m] = xt;
           y[m] = A::to_state(p, conv_output<W>(w[m], [&](int j) { return win[t + j][m]; }, b[m], p.silu));
         }
-        if (!p.after_step) A::store_out(p, bos + t0 + t, c, y);
+        if constexpr (!AFTER_STEP) A::store_out(p, bos + t0 + t, c, y);
         A::store_state(p, col0, W - 2 + t0 + t, win[W - 1 + t]);
       }
       // A full batch's last W - 1 values open the next batch's window (only a full batch has a next).
@@ -318,18 +318,20 @@ __device__ __forceinline__ void conv_update_requests(const ConvUpdateParams& p) 
   }
 }
 
-// The update, entered as every kernel here enters (pdl_enter), or, after a step that read the
-// windows itself (p.after_step), straight away, waiting for that step's end only at its own.
-template <int W, typename A, int TB>
+// The update, entered as every kernel here enters (pdl_enter), or (AFTER_STEP: the state-only pass
+// after a step that read the windows itself, ConvUpdateParams::after_step) straight away, no
+// outputs stored, waiting for that step's end only at its own. A build of its own, so that the
+// others' code is what it was.
+template <int W, typename A, int TB, bool AFTER_STEP = false>
 __device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
-  if (!p.after_step) pdl_enter();
-  conv_update_requests<W, A, TB>(p);
-  if (p.after_step) pdl_enter();
+  if constexpr (!AFTER_STEP) pdl_enter();
+  conv_update_requests<W, A, TB, AFTER_STEP>(p);
+  if constexpr (AFTER_STEP) pdl_enter();
 }
 
-template <int W, typename T, int TB>
+template <int W, typename T, int TB, bool AFTER_STEP = false>
 __global__ void __launch_bounds__(kConvThreads, TB <= kConvShortBatch ? 16 : 1) conv_update_kernel(const ConvUpdateParams p) {
-  conv_update<W, ConvAccess<T>, TB>(p);
+  conv_update<W, ConvAccess<T>, TB, AFTER_STEP>(p);
 }
 // vLLM's KDA layer step (ConvAccessF32Taps): bf16, one token a row.
 template <int W, int TB>
@@ -383,7 +385,7 @@ __global__ void __launch_bounds__(kConvThreads, 16) conv_update_f32_taps_ds_kern
   }
 }
 
-template <int W, typename T, int TB = kConvTokenBatch, bool F32_TAPS = false, bool DS = false>
+template <int W, typename T, int TB = kConvTokenBatch, bool F32_TAPS = false, bool DS = false, bool AFTER_STEP = false>
 int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   constexpr int C = ConvAccess<T>::C;
   cudaLaunchConfig_t cfg = {};
@@ -398,7 +400,7 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   constexpr auto kernel = [] {
     if constexpr (DS) return &conv_update_f32_taps_ds_kernel;
     else if constexpr (F32_TAPS) return &conv_update_f32_taps_kernel<W, TB>;
-    else return &conv_update_kernel<W, T, TB>;
+    else return &conv_update_kernel<W, T, TB, AFTER_STEP>;
   }();
   prefer_carveout<kernel>(p.device, kConvCarveout);
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
@@ -408,7 +410,14 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
 // else a channel a thread.
 template <int W>
 int launch_conv_width(const ConvUpdateParams& p, cudaStream_t stream) {
+  if (W != 4 && p.after_step) return static_cast<int>(cudaErrorInvalidValue);
   if constexpr (W == 4) {
+    if (p.after_step) {  // vLLM's GDN layer alone (ops.cpp): bf16 vectors, width 4
+      if (!p.vec || p.state_dtype != DType::kBFloat16) return static_cast<int>(cudaErrorInvalidValue);
+      const bool short_calls = !p.cu_seqlens || p.state_len - (W - 2) <= kConvShortBatch;
+      return short_calls ? launch_conv_build<W, __nv_bfloat16, kConvShortBatch, false, false, true>(p, stream)
+                         : launch_conv_build<W, __nv_bfloat16, kConvTokenBatch, false, false, true>(p, stream);
+    }
     if (p.f32_taps) return launch_conv_build<W, __nv_bfloat16, kConvShortBatch, true>(p, stream);
     if (p.f32_taps_ds) return launch_conv_build<W, __nv_bfloat16, kConvShortBatch, true, true>(p, stream);
   }
