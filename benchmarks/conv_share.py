@@ -21,7 +21,9 @@ process, on the same pages and tensors, this times:
 - cudelta's own conv (cudelta.vllm_compat.causal_conv1d_update, the same call) alone, and cudelta's
   layer pair: its conv, then its step, as two calls and as one
   (cudelta.vllm_compat.conv_then_gdn_decode_post_conv_mtp: the same kernels, the step's state loads
-  issued before it waits for the conv).
+  issued before it waits for the conv);
+- with CUDELTA_CONV_IN_STEP=1, cudelta's step with the conv in it
+  (cudelta.vllm_compat.gdn_decode_with_conv: one token a request, the conv's outputs never stored).
 A cell prints the convs and steps alone, the pairs, the pairs' ratios (vLLM's pair ÷ cudelta's step
 after vLLM's conv, and ÷ cudelta's own pair) and the conv's share of vLLM's pair: what a fused conv
 could at most save is the conv's time and no more.
@@ -185,6 +187,12 @@ def load_own(name: str):
         return getattr(vllm_compat, name), ""
     except Exception as exc:  # noqa: BLE001
         return None, f"cannot import cudelta.vllm_compat.{name} ({mb.short(exc)})"
+
+
+def vllm_compat_flag(name: str) -> bool:
+    from cudelta import vllm_compat
+
+    return bool(getattr(vllm_compat, name, False))
 
 
 def load_vllm_conv():
@@ -416,6 +424,8 @@ def run_worker(args) -> int:
     own_conv, why_own = load_own("causal_conv1d_update")
     own_one_call, why_one_call = load_own("conv_then_gdn_decode_post_conv_mtp")
     own_fused, why_fused = load_own("gdn_decode_with_conv")
+    if own_fused is not None and not vllm_compat_flag("CONV_IN_STEP"):
+        own_fused, why_fused = None, "CUDELTA_CONV_IN_STEP is not 1 (the step with the conv in it is opt-in)"
     mtp, _decode, why_cudelta = mb.load_cudelta()
     vllm, why_vllm = mb.load_vllm_cuda(args.cuda_op_so, args.cuda_op_reason)
     result = {"device": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", "times": [], "skips": [],

@@ -32,6 +32,7 @@ fastest as one call, `conv_then_gdn_decode_post_conv_mtp` (benchmarks/results-h1
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -47,6 +48,11 @@ MTP_MAX_TOKENS = 9  # state_indices [N, S] with 1 <= S <= 9 (vLLM 0.34; 0.33 too
 MTP_HEAD_GROUPS = (1, 2, 3, 4, 8)  # HV / H
 MTP_ACTIVATIONS = ("silu", "sigmoid")
 CONV_WIDTHS = (2, 7)  # causal_conv1d_update's, from vLLM 0.34 (0.33 did not check)
+# gdn_decode_with_conv's step with the conv in it (kernels/conv_in_step.cuh) is built and checked on
+# CPU (its code, registers, and that every other kernel's machine code is unchanged) but has not run
+# on a GPU: until a GPU run checks and times it, it is taken only where CUDELTA_CONV_IN_STEP=1 (read
+# at import), and the call otherwise runs the pair of kernels (ARCHITECTURE.md, "The conv in the step").
+CONV_IN_STEP = os.environ.get("CUDELTA_CONV_IN_STEP") == "1"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -350,8 +356,9 @@ def gdn_decode_with_conv(
     by the step once its windows are read, so no kernel waits for another's outputs: one token a
     request (state_indices [N, 1]), width 4, the conv state, weight and bias bf16 with the conv
     state's channels contiguous and its slots the pool's (conv_state_indices None, null_block_id 0),
-    in eager calls everything on 16 bytes. Elsewhere, the two kernels with the conv's outputs in a
-    scratch buffer. Returns out."""
+    in eager calls everything on 16 bytes; not yet run on a GPU, so only with CUDELTA_CONV_IN_STEP=1
+    (CONV_IN_STEP). Elsewhere, the two kernels with the conv's outputs in a scratch buffer. Returns
+    out."""
     activation = _conv_activation(activation)
     _require(null_block_id is not None, "null_block_id must be an int (vLLM's null block, 0)")
     if out is None:
@@ -383,7 +390,7 @@ def _conv_fusable(mixed_qkv, conv_state, conv_weight, conv_bias, state_indices, 
     holds the same rules, and names a broken one): shapes, dtypes and strides here, addresses in
     eager calls only (a traced call has none; the op checks them when it runs)."""
     bf16 = torch.bfloat16
-    if _native.kernels_for(mixed_qkv) is None or mixed_qkv.dtype != bf16 or mixed_qkv.dim() != 2:
+    if not CONV_IN_STEP or _native.kernels_for(mixed_qkv) is None or mixed_qkv.dtype != bf16 or mixed_qkv.dim() != 2:
         return False
     if state_indices.dim() != 2 or state_indices.shape[1] != 1 or conv_state_indices is not None or null_block_id != 0:
         return False

@@ -29,6 +29,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
+@pytest.fixture(autouse=True)
+def conv_in_step(monkeypatch):
+    """The step with the conv in it, opted into (vllm_compat.CONV_IN_STEP: not yet run on a GPU)."""
+    monkeypatch.setattr(vllm_compat, "CONV_IN_STEP", True)
+
+
 FUSED_CASES = [
     case_with_conv(tokens="varlen1", seed=800),
     case_with_conv(tokens="varlen1", state="fp32", H=16, N=64, seed=801),
@@ -143,3 +149,14 @@ def test_two_columns_take_the_pair_and_leave_mixed_qkv():
     out_got = vllm_compat.gdn_decode_with_conv(got.x, got.conv_state, got.weight, got.bias, **got.step_args())
     out_want = pair(want)
     assert_fused_same(got, out_got, want, out_want, x_before)
+
+
+def test_without_the_opt_in_the_call_takes_the_pair(monkeypatch):
+    monkeypatch.setattr(vllm_compat, "CONV_IN_STEP", False)
+    got, want = both(FUSED_CASES[0])
+    x_before = got.x.clone()
+    with mock.patch.object(vllm_compat, "conv_then_gdn_decode_post_conv_mtp",
+                           wraps=vllm_compat.conv_then_gdn_decode_post_conv_mtp) as taken:
+        out_got = fused(got)
+    assert taken.call_count == 1
+    assert_fused_same(got, out_got, want, pair(want), x_before)

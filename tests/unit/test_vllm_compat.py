@@ -364,9 +364,12 @@ def test_the_conv_goes_in_the_step_only_where_the_kernels_take_it():
              "fp32 weight": dict(conv_weight=args["conv_weight"].float()),
              "channels apart": dict(conv_state=args["conv_state"].contiguous())}
     with mock.patch.object(vllm_compat._native, "kernels_for", return_value=object()):
-        assert vllm_compat._conv_fusable(**conv_only)
-        for name, change in cases.items():
-            assert not vllm_compat._conv_fusable(**dict(conv_only, **change)), name
+        with mock.patch.object(vllm_compat, "CONV_IN_STEP", False):
+            assert not vllm_compat._conv_fusable(**conv_only)  # not run on a GPU yet: opt-in
+        with mock.patch.object(vllm_compat, "CONV_IN_STEP", True):
+            assert vllm_compat._conv_fusable(**conv_only)
+            for name, change in cases.items():
+                assert not vllm_compat._conv_fusable(**dict(conv_only, **change)), name
 
 
 PAIR_CASES = [
