@@ -21,9 +21,7 @@ process, on the same pages and tensors, this times:
 - cudelta's own conv (cudelta.vllm_compat.causal_conv1d_update, the same call) alone, and cudelta's
   layer pair: its conv, then its step, as two calls and as one
   (cudelta.vllm_compat.conv_then_gdn_decode_post_conv_mtp: the same kernels, the step's state loads
-  issued before it waits for the conv);
-- with CUDELTA_CONV_IN_STEP=1, cudelta's step with the conv in it
-  (cudelta.vllm_compat.gdn_decode_with_conv: one token a request, the conv's outputs never stored).
+  issued before it waits for the conv).
 A cell prints the convs and steps alone, the pairs, the pairs' ratios (vLLM's pair ÷ cudelta's step
 after vLLM's conv, and ÷ cudelta's own pair) and the conv's share of vLLM's pair: what a fused conv
 could at most save is the conv's time and no more.
@@ -68,7 +66,6 @@ STEPS = (report.VLLM_CUDA, report.CUDELTA)
 PAIR = {s: f"conv+{s}" for s in STEPS}  # vLLM's conv, then the step
 OWN_PAIR = f"{OWN_CONV}+{report.CUDELTA}"  # cudelta's conv, then its step: the layer on cudelta alone
 OWN_ONE_CALL = "cudelta-one-call"  # the same two kernels from one call: the step's state loads overlap the conv
-FUSED = "cudelta-fused"  # the step computing the conv outputs it reads, then the conv's state-only pass
 STATES = ["bfloat16"]
 # The conv's outputs against the reference with vLLM's bf16 products: one bf16 ulp (fp32 sums in
 # another order, SiLU's exp) plus 1e-4 of the largest.
@@ -122,9 +119,9 @@ def cell_text(median: dict, bad: set, state: str, B: int, T: int) -> str:
 
     share = conv_share(median, state, B, T)
     return (f"{us(CONV)} / {us(OWN_CONV)} · {us(report.VLLM_CUDA)} / {us(report.CUDELTA)} · "
-            f"{us(PAIR[report.VLLM_CUDA])} / {us(PAIR[report.CUDELTA])} / {us(OWN_PAIR)} / {us(OWN_ONE_CALL)} / "
-            f"{us(FUSED)} · {x(pair_ratio(median, state, B, T))} / {x(own_pair_ratio(median, state, B, T))} / "
-            f"{x(own_pair_ratio(median, state, B, T, OWN_ONE_CALL))} / {x(own_pair_ratio(median, state, B, T, FUSED))} → "
+            f"{us(PAIR[report.VLLM_CUDA])} / {us(PAIR[report.CUDELTA])} / {us(OWN_PAIR)} / {us(OWN_ONE_CALL)} · "
+            f"{x(pair_ratio(median, state, B, T))} / {x(own_pair_ratio(median, state, B, T))} / "
+            f"{x(own_pair_ratio(median, state, B, T, OWN_ONE_CALL))} → "
             f"{x(ceiling(median, state, B, T))} · {'—' if share is None else f'{100 * share:.0f}%'}")
 
 
@@ -132,9 +129,8 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
            notes: list[str]) -> str:
     lines = [header, "",
              "Cell: conv µs, vLLM / cudelta · step µs, vLLM CUDA / cudelta · conv + step µs, vLLM's conv + vLLM "
-             "CUDA / vLLM's conv + cudelta / cudelta's conv + cudelta / the same in one call / cudelta's step with "
-             "the conv in it · vLLM's pair ÷ cudelta's step after vLLM's conv / ÷ cudelta's own pair / ÷ in one "
-             "call / ÷ with the conv in the step → vLLM's pair ÷ cudelta's "
+             "CUDA / vLLM's conv + cudelta / cudelta's conv + cudelta / the same in one call · vLLM's pair ÷ "
+             "cudelta's step after vLLM's conv / ÷ cudelta's own pair / ÷ in one call → vLLM's pair ÷ cudelta's "
              "step alone (the conv fused in at no cost: the "
              "ceiling) · vLLM's conv's share of vLLM's pair. — not timed; ✗ disagrees with the reference.", ""]
     for state in states:
@@ -159,8 +155,7 @@ def render(median: dict, bad: set, states: list[str], batches: list[int], tokens
                              + (f"; with the conv fused at no cost in {reach} of {len(tops)} (ceilings "
                                 f"{min(tops):.2f}-{max(tops):.2f}x)" if tops else ""))
             for name, what in ((OWN_PAIR, "cudelta's own pair (its conv, then its step)"),
-                               (OWN_ONE_CALL, "cudelta's own pair in one call"),
-                               (FUSED, "cudelta's step with the conv in it")):
+                               (OWN_ONE_CALL, "cudelta's own pair in one call")):
                 own = [(B, t, r) for B in batches for t in tokens
                        if (r := own_pair_ratio(median, state, B, t, name)) is not None]
                 if not own:
@@ -187,12 +182,6 @@ def load_own(name: str):
         return getattr(vllm_compat, name), ""
     except Exception as exc:  # noqa: BLE001
         return None, f"cannot import cudelta.vllm_compat.{name} ({mb.short(exc)})"
-
-
-def vllm_compat_flag(name: str) -> bool:
-    from cudelta import vllm_compat
-
-    return bool(getattr(vllm_compat, name, False))
 
 
 def load_vllm_conv():
@@ -249,14 +238,6 @@ class ConvCell:
                                        c.norm_weight, c.out, mb.SCALE, mb.NORM_EPS, "silu", activation="silu",
                                        conv_out=c.mixed_qkv)
 
-    def fused_call(self, fused):
-        """cudelta's step computing the conv outputs it reads (cudelta.vllm_compat.gdn_decode_with_conv):
-        one_call's arguments, no conv outputs stored."""
-        c = self.step
-        return lambda pages, idx: fused(self.x, self.conv_state(pages), self.weight, None, c.a, c.b, c.A_log,
-                                        c.dt_bias, idx, c.cu_seqlens, c.acc, self.recurrent(pages), c.z,
-                                        c.norm_weight, c.out, mb.SCALE, mb.NORM_EPS, "silu", activation="silu")
-
     def reference_conv(self, pages, idx, bf16_products=True):
         """The reference conv into the step's mixed_qkv, its products rounded to bf16 as vLLM's
         kernel computes them (or fp32, as cudelta's); returns a copy of its outputs."""
@@ -295,14 +276,9 @@ def check(cc: ConvCell, name: str, call, idx, base, ref_conv_bytes, ref_conv, co
     call(pages, idx)
     mb.sync()
     details = []
-    conv_abs = 0.0
-    if name == FUSED:  # its conv outputs stay in the step: checked through the step's
-        if not torch.isnan(c.mixed_qkv).all():
-            details.append("the step with the conv in it wrote conv outputs")
-    else:
-        conv_abs, conv_ratio = mb.excess(c.mixed_qkv, ref_conv, TOL_CONV)
-        if conv_ratio > 1:
-            details.append(f"conv out max |Δ| {conv_abs:.3g} ({conv_ratio:.3g}x its tolerance)")
+    conv_abs, conv_ratio = mb.excess(c.mixed_qkv, ref_conv, TOL_CONV)
+    if conv_ratio > 1:
+        details.append(f"conv out max |Δ| {conv_abs:.3g} ({conv_ratio:.3g}x its tolerance)")
     if not torch.equal(pages[:, :cc.conv_bytes], ref_conv_bytes):
         details.append("a conv state byte differs from the reference's")
     out_abs = st_abs = 0.0
@@ -310,7 +286,7 @@ def check(cc: ConvCell, name: str, call, idx, base, ref_conv_bytes, ref_conv, co
         if not torch.equal(pages[:, cc.conv_bytes:], base[:, cc.conv_bytes:]):
             details.append("the conv changed a byte past the conv state")
     else:
-        if name != FUSED and not torch.equal(c.mixed_qkv, conv_used):
+        if not torch.equal(c.mixed_qkv, conv_used):
             details.append("the pair's conv outputs differ from its conv's alone")
         out_abs, out_ratio = mb.excess(c.out, ref_out, mb.TOL_OUT)
         st_abs, st_ratio = mb.excess(cc.recurrent(pages), cc.recurrent(step_pages), mb.TOL_STATE[c.state_name])
@@ -325,10 +301,10 @@ def check(cc: ConvCell, name: str, call, idx, base, ref_conv_bytes, ref_conv, co
                 state_max_abs=st_abs, detail="; ".join(details))
 
 
-def cell_calls(cc: ConvCell, conv, steps: dict, own_conv=None, own_one_call=None, own_fused=None) -> dict:
+def cell_calls(cc: ConvCell, conv, steps: dict, own_conv=None, own_one_call=None) -> dict:
     """The calls a cell checks and times, each call(pages, idx): vLLM's conv, each step alone (named
     by its implementation) and each pair; with own_conv (cudelta's), it alone and cudelta's pair;
-    with own_one_call too, that pair from one call; with own_fused, the step with the conv in it."""
+    with own_one_call too, that pair from one call."""
     c = cc.step
     conv_call = cc.conv_call(conv)
     calls = {CONV: conv_call}
@@ -343,14 +319,12 @@ def cell_calls(cc: ConvCell, conv, steps: dict, own_conv=None, own_one_call=None
             calls[OWN_PAIR] = lambda pages, idx: (own_call(pages, idx), step(cc.recurrent(pages), idx))
             if own_one_call is not None:
                 calls[OWN_ONE_CALL] = cc.one_call(own_one_call)
-            if own_fused is not None:
-                calls[FUSED] = cc.fused_call(own_fused)
     return calls
 
 
 def conv_of(name: str) -> str:
     """The conv a checked call runs: cudelta's for its conv and its own pairs, else vLLM's."""
-    return OWN_CONV if name in (OWN_CONV, OWN_PAIR, OWN_ONE_CALL, FUSED) else CONV
+    return OWN_CONV if name in (OWN_CONV, OWN_PAIR, OWN_ONE_CALL) else CONV
 
 
 def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
@@ -385,11 +359,10 @@ def check_cell(cc: ConvCell, calls: dict, result: dict) -> set:
     return ran | {n for n in STEPS if PAIR[n] in ran}
 
 
-def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict, own_conv=None, own_one_call=None,
-             own_fused=None) -> None:
+def run_cell(state: str, B: int, T: int, conv, steps: dict, result: dict, own_conv=None, own_one_call=None) -> None:
     cc = ConvCell(state, B, T, seed=1000 * B + T)
     c = cc.step
-    calls = cell_calls(cc, conv, steps, own_conv, own_one_call, own_fused)
+    calls = cell_calls(cc, conv, steps, own_conv, own_one_call)
     checked = check_cell(cc, calls, result)
     mb.empty_cache()
 
@@ -423,14 +396,10 @@ def run_worker(args) -> int:
     conv, why = load_vllm_conv()
     own_conv, why_own = load_own("causal_conv1d_update")
     own_one_call, why_one_call = load_own("conv_then_gdn_decode_post_conv_mtp")
-    own_fused, why_fused = load_own("gdn_decode_with_conv")
-    if own_fused is not None and not vllm_compat_flag("CONV_IN_STEP"):
-        own_fused, why_fused = None, "CUDELTA_CONV_IN_STEP is not 1 (the step with the conv in it is opt-in)"
     mtp, _decode, why_cudelta = mb.load_cudelta()
     vllm, why_vllm = mb.load_vllm_cuda(args.cuda_op_so, args.cuda_op_reason)
     result = {"device": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", "times": [], "skips": [],
-              "checks": [], "reasons": {CONV: why, OWN_CONV: why_own, OWN_ONE_CALL: why_one_call, FUSED: why_fused,
-                          report.CUDELTA: why_cudelta, report.VLLM_CUDA: why_vllm}}
+              "checks": [], "reasons": {CONV: why, OWN_CONV: why_own, OWN_ONE_CALL: why_one_call, report.CUDELTA: why_cudelta, report.VLLM_CUDA: why_vllm}}
     if conv is None:
         print(f"conv_share: {why}", file=sys.stderr)
         Path(args.worker).write_text(json.dumps(result))
@@ -440,7 +409,7 @@ def run_worker(args) -> int:
         for B in args.batches:
             for T in args.tokens:
                 try:
-                    run_cell(state, B, T, conv, steps, result, own_conv, own_one_call, own_fused)
+                    run_cell(state, B, T, conv, steps, result, own_conv, own_one_call)
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()
                     result["skips"].append(dict(state=state, B=B, T=T, impl=CONV, reason=f"cell failed: {mb.short(exc)}"))

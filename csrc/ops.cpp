@@ -241,8 +241,6 @@ struct DecodeArgs {
   bool pdl, early_state;
   double gate_lower_bound;
   std::optional<Tensor> output_scale;
-  std::optional<Tensor> conv_state, conv_weight, conv_bias;
-  bool conv_silu;
 };
 
 // An index tensor: int32 or int64, contiguous, of the given shape.
@@ -256,89 +254,6 @@ void check_index(const char* op, const Tensor& t, const char* name, const std::v
     want += (d ? ", " : "") + (shape[d] < 0 ? std::string("C") : std::to_string(shape[d]));
   CUDELTA_CHECK(ok, op, ": ", name, " must be a contiguous int32/int64 ", want + "]", " tensor (", what, "), got ",
                 dtype_name(t.scalar_type()), " ", shape_of(t));
-}
-
-// Whether a per-slot conv state (conv_state, read by the step) meets the pool's slot blocks (written).
-// vLLM keeps both in one page a slot: with the same slot stride each conv block must lie in the gap
-// after a state block; otherwise their spans must not meet at all.
-bool conv_meets_slots(const Tensor& conv_state, const Tensor& state, int64_t slot_stride) {
-  const int64_t es = 2, size = static_cast<int64_t>(state.element_size());
-  const int64_t stride = slot_stride * size, cstride = conv_state.stride(0) * es;
-  const int64_t sblock = state.size(1) * state.size(2) * state.size(3) * size;
-  const int64_t cblock = ((conv_state.size(1) - 1) * conv_state.stride(1) + (conv_state.size(2) - 1) * conv_state.stride(2) + 1) * es;
-  if (cstride != stride || state.size(0) <= 1 || conv_state.size(0) <= 1) return meets_slots(state, slot_stride, span_of(conv_state));
-  const auto sbase = static_cast<int64_t>(reinterpret_cast<uintptr_t>(state.data_ptr()));
-  const auto cbase = static_cast<int64_t>(reinterpret_cast<uintptr_t>(conv_state.data_ptr()));
-  const int64_t d = ((cbase - sbase) % stride + stride) % stride;  // the conv block's offset past a state block's start
-  return !(d >= sblock && d + cblock <= stride);
-}
-
-// The conv-reading step's arguments (GdnDecodeParams::conv_state): vLLM's GDN layer at one token a
-// request, q, k and v one row of its mixed_qkv before the conv, the conv state, weight and bias
-// bf16 (cudelta.vllm_compat.gdn_decode_with_conv; ARCHITECTURE.md, "The conv in the step").
-void conv_call_params(const char* op, const DecodeArgs& x, int64_t slot_stride, int64_t H, int64_t HV, int64_t K,
-                      int64_t V, GdnDecodeParams& p) {
-  const Tensor &cs = *x.conv_state, &q = x.q, &k = x.k, &v = x.v;
-  CUDELTA_CHECK(x.conv_weight.has_value(), op, ": conv_state needs conv_weight");
-  const Tensor& w = *x.conv_weight;
-  const int device = q.get_device_index();
-  check_cuda(op, cs, "conv_state", device);
-  check_cuda(op, w, "conv_weight", device);
-  if (x.conv_bias.has_value()) check_cuda(op, *x.conv_bias, "conv_bias", device);
-  CUDELTA_CHECK(x.layout == 1 && !x.per_channel && K == 128 && V == 128 && x.idx.dim() == 2 && x.idx.size(1) == 1 &&
-                    !x.output_scale.has_value(),
-                op, ": the conv in the step is GDN's one-token call: layout vk, K = V = 128, idx [N, 1], no FP8 "
-                "output; got layout ", x.layout == 1 ? "vk" : "kv", ", K=", K, ", V=", V, ", idx ", shape_of(x.idx),
-                x.per_channel ? ", per-channel gates" : "", x.output_scale.has_value() ? ", output_scale" : "");
-  const bool bf16 = q.scalar_type() == ScalarType::BFloat16 && cs.scalar_type() == ScalarType::BFloat16 &&
-                    w.scalar_type() == ScalarType::BFloat16 &&
-                    (!x.conv_bias.has_value() || x.conv_bias->scalar_type() == ScalarType::BFloat16);
-  CUDELTA_CHECK(bf16, op, ": the conv in the step takes bfloat16 q/k/v, conv_state, conv_weight and conv_bias; got ",
-                dtype_name(q.scalar_type()), ", ", dtype_name(cs.scalar_type()), ", ", dtype_name(w.scalar_type()),
-                x.conv_bias.has_value() ? std::string(", ") + dtype_name(x.conv_bias->scalar_type()) : std::string());
-  CUDELTA_CHECK(w.dim() == 2 && w.size(1) == 4 && w.is_contiguous() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
-                op, ": conv_weight must be a contiguous [dim, 4] on 16 bytes (width 4), got ", shape_of(w));
-  const int64_t dim = w.size(0);
-  CUDELTA_CHECK(cs.dim() == 3 && cs.size(1) == dim && cs.size(2) >= 3 && cs.stride(1) == 1 && cs.stride(0) >= 0 &&
-                    cs.stride(2) >= dim && reinterpret_cast<uintptr_t>(cs.data_ptr()) % 16 == 0 &&
-                    (cs.stride(0) * 2) % 16 == 0 && (cs.stride(2) * 2) % 16 == 0,
-                op, ": conv_state must be [slots, dim=", dim, ", state_len >= 3] with channels contiguous, its "
-                "columns and slots on 16 bytes (vLLM's layout), got ", shape_of(cs));
-  CUDELTA_CHECK(cs.size(0) >= x.state.size(0), op, ": conv_state has ", cs.size(0), " slots for the pool's ",
-                x.state.size(0), ": every slot the step may take needs its window");
-  if (x.conv_bias.has_value()) {
-    const Tensor& b = *x.conv_bias;
-    CUDELTA_CHECK(b.dim() == 1 && b.size(0) == dim && b.is_contiguous() && reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
-                  op, ": conv_bias must be a contiguous [dim=", dim, "] on 16 bytes, got ", shape_of(b));
-  }
-  // q, k and v: one row of mixed_qkv, q at its channel 0; the channels of k and v by their offsets.
-  const auto at = [](const Tensor& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr())); };
-  const int64_t ck2 = at(k) - at(q), cv2 = at(v) - at(q);
-  const bool packed = q.stride(0) == k.stride(0) && q.stride(0) == v.stride(0) && q.stride(1) == K &&
-                      k.stride(1) == K && v.stride(1) == V && ck2 >= H * K * 2 && cv2 >= 0 && ck2 % 16 == 0 &&
-                      cv2 % 2 == 0 && ck2 / 2 + H * K <= dim && cv2 / 2 + HV * V <= dim &&
-                      (cv2 / 2 >= ck2 / 2 + H * K || cv2 / 2 + HV * V <= H * K) &&
-                      reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && (q.stride(0) * 2) % 16 == 0;
-  CUDELTA_CHECK(packed, op, ": with the conv in the step q, k and v must be one row of mixed_qkv [L, dim=", dim,
-                "] on 16 bytes: q its channels 0..H*K-1, k and v after it, heads contiguous");
-  // What the step reads of the conv shares no byte with what it writes.
-  CUDELTA_CHECK(!overlaps(span_of(cs), span_of(x.out)), op, ": out shares memory with conv_state");
-  CUDELTA_CHECK(!conv_meets_slots(cs, x.state, slot_stride), op,
-                ": conv_state shares memory with the state pool's slots (the pool is written while the windows are read)");
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&w, "conv_weight"},
-                         {x.conv_bias.has_value() ? &*x.conv_bias : nullptr, "conv_bias"}}) {
-    if (t == nullptr) continue;
-    CUDELTA_CHECK(!overlaps(span_of(*t), span_of(x.out)) && !meets_slots(x.state, slot_stride, span_of(*t)), op, ": ",
-                  name, " shares memory with out or the state pool's slots");
-  }
-  p.conv_state = cs.data_ptr();
-  p.conv_cs_slot = cs.stride(0);
-  p.conv_cs_col = cs.stride(2);
-  p.conv_weight = w.data_ptr();
-  p.conv_bias = x.conv_bias.has_value() ? x.conv_bias->data_ptr() : nullptr;
-  p.conv_c_k = ck2 / 2;
-  p.conv_c_v = cv2 / 2;
-  p.conv_silu = x.conv_silu;
 }
 
 void decode(const DecodeArgs& x) {
@@ -581,12 +496,6 @@ void decode(const DecodeArgs& x) {
     p.norm_eps = static_cast<float>(x.norm_eps);
   }
   p.out_scale = x.output_scale.has_value() ? static_cast<const float*>(x.output_scale->data_ptr()) : nullptr;
-  if (x.conv_state.has_value()) {
-    conv_call_params(op, x, slot_stride, H, HV, K, V, p);
-  } else {
-    CUDELTA_CHECK(!x.conv_weight.has_value() && !x.conv_bias.has_value(), op,
-                  ": conv_weight and conv_bias belong to conv_state (the conv in the step); pass it or neither");
-  }
 
   torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;
@@ -602,13 +511,10 @@ void decode_op(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optio
                std::optional<Tensor> num_accepted_tokens, std::optional<Tensor> output_gate,
                std::optional<Tensor> norm_weight, double scale, double norm_eps, bool per_channel, bool use_qk_l2norm,
                int64_t layout, int64_t min_slot, int64_t tokens, int64_t gate_activation, int64_t variant, bool pdl,
-               bool early_state, double gate_lower_bound, std::optional<Tensor> output_scale,
-               std::optional<Tensor> conv_state, std::optional<Tensor> conv_weight, std::optional<Tensor> conv_bias,
-               bool conv_silu) {
+               bool early_state, double gate_lower_bound, std::optional<Tensor> output_scale) {
   decode(DecodeArgs{q, k, v, g, beta, a, b, A_log, dt_bias, state, idx, out, cu_seqlens, num_accepted_tokens,
                     output_gate, norm_weight, scale, norm_eps, per_channel, use_qk_l2norm, layout, min_slot, tokens,
-                    gate_activation, variant, pdl, early_state, gate_lower_bound, output_scale, conv_state,
-                    conv_weight, conv_bias, conv_silu});
+                    gate_activation, variant, pdl, early_state, gate_lower_bound, output_scale});
 }
 
 // cudelta::conv_update: the causal-conv1d update before the step (ConvUpdateParams, launch.h).
@@ -616,7 +522,7 @@ void decode_op(Tensor q, Tensor k, Tensor v, std::optional<Tensor> g, std::optio
 // on the device, where a request the pool cannot hold is skipped (cudelta/conv_reference.py raises).
 void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Tensor> bias, Tensor indices,
                     std::optional<Tensor> cu_seqlens, std::optional<Tensor> num_accepted_tokens, Tensor out,
-                    int64_t null_block_id, bool silu, bool pdl, bool after_step) {
+                    int64_t null_block_id, bool silu, bool pdl) {
   const char* op = "cudelta.conv_update";
   CUDELTA_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor");
   const int device = x.get_device_index();
@@ -737,12 +643,6 @@ void conv_update_op(Tensor x, Tensor conv_state, Tensor weight, std::optional<Te
   p.f32_taps_ds = taps && xo_runs4 && !cu_seqlens.has_value() && conv_state.size(2) == 3 &&
                   conv_state.stride(1) == 3 && conv_state.stride(2) == 1 &&
                   reinterpret_cast<uintptr_t>(conv_state.data_ptr()) % 8 == 0 && (conv_state.stride(0) * 2) % 8 == 0;
-  // The state-only pass after a step that read the windows (ConvUpdateParams::after_step): vLLM's
-  // GDN layer's conv, the only one such a step takes (conv_call_params).
-  CUDELTA_CHECK(!after_step || (p.vec && width == 4 && conv_state.scalar_type() == ScalarType::BFloat16), op,
-                ": after_step is the pass after a step with the conv in it: bf16 x, conv_state and weight [dim, 4] as "
-                "4-channel runs on their size; got ", dtype_name(x.scalar_type()), " x, width ", width);
-  p.after_step = after_step;
   ImageInfo info{};
   select(device, -1, 1, &info);  // names a GPU this build has no image for
   p.pdl = pdl && info.cuda_arch >= 900;
@@ -794,25 +694,20 @@ STABLE_TORCH_LIBRARY(cudelta, m) {
   // read once in Python); early_state: the kernel before it in the stream is cudelta's conv update
   // of the same layer step (GdnDecodeParams::early_state); gate_lower_bound < 0: the raw gate's
   // bounded form (GdnDecodeParams::gate_lower_bound), 0 none; output_scale: the epilogue's FP8 output
-  // (a float32 [1], out then float8_e4m3fn); conv_state, conv_weight, conv_bias, conv_silu: the
-  // conv's inputs where q, k and v are a row of mixed_qkv before it (GdnDecodeParams::conv_state;
-  // the conv state is then left to conv_update's after_step pass, launched right after). The output
-  // goes to `out` (engines preallocate it; the Python API does too).
+  // (a float32 [1], out then float8_e4m3fn). The output goes to `out` (engines preallocate it; the
+  // Python API does too).
   m.def(
       "decode(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? a, Tensor? b, Tensor? A_log, "
       "Tensor? dt_bias, Tensor(a!) state, Tensor idx, Tensor(b!) out, Tensor? cu_seqlens, "
       "Tensor? num_accepted_tokens, Tensor? output_gate, Tensor? norm_weight, float scale, float norm_eps, "
       "bool per_channel, bool use_qk_l2norm, int layout, int min_slot, int tokens, int gate_activation, "
-      "int variant, bool pdl, bool early_state=False, float gate_lower_bound=0., Tensor? output_scale=None, "
-      "Tensor? conv_state=None, Tensor? conv_weight=None, Tensor? conv_bias=None, bool conv_silu=False) -> ()");
+      "int variant, bool pdl, bool early_state=False, float gate_lower_bound=0., Tensor? output_scale=None) -> ()");
   // The causal-conv1d update before the step: x [tokens, dim], conv_state [slots, dim, state_len]
   // updated in place, out [tokens, dim] (may be x); one token a row, or cu_seqlens with
-  // num_accepted_tokens (speculative decoding); silu or no activation. after_step: right after a
-  // decode that read the windows itself (conv_state given), the state only, out not written.
+  // num_accepted_tokens (speculative decoding); silu or no activation.
   m.def(
       "conv_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor conv_state_indices, "
-      "Tensor? cu_seqlens, Tensor? num_accepted_tokens, Tensor(b!) out, int null_block_id, bool silu, bool pdl, "
-      "bool after_step=False) -> ()");
+      "Tensor? cu_seqlens, Tensor? num_accepted_tokens, Tensor(b!) out, int null_block_id, bool silu, bool pdl) -> ()");
   m.def("select_variant(int device, int requested, int heads) -> int");
   m.def("probe(int device) -> int[]");
   m.def("build_info() -> str");

@@ -62,15 +62,3 @@ def run_checked(x, conv_state, weight, bias, activation, conv_state_indices, cu_
     torch.ops.cudelta.conv_update(x, conv_state, weight, bias, conv_state_indices, cu_seqlens, num_accepted_tokens,
                                   result, int(null_block_id), activation is not None, st.pdl)
     return result
-
-
-def run_after_step(x, conv_state, weight, bias, activation, conv_state_indices, cu_seqlens, num_accepted_tokens,
-                   null_block_id) -> None:
-    """The conv state's update alone (x's rows shifted into the windows, no outputs stored), right
-    after a step that read the windows and computed the conv outputs itself (cudelta.ops.FusedConv):
-    launched with programmatic dependent launch, it starts once every block of that step has read
-    its windows (kernels/launch.h, ConvUpdateParams::after_step). The arguments check_conv_call has
-    passed, on CUDA tensors."""
-    st = _native.kernels_for(x)
-    torch.ops.cudelta.conv_update(x, conv_state, weight, bias, conv_state_indices, cu_seqlens, num_accepted_tokens, x,
-                                  int(null_block_id), activation is not None, st.pdl, True)

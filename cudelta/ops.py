@@ -10,7 +10,7 @@ the kernels' final store.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -37,27 +37,14 @@ def _rows(x: Optional[torch.Tensor], lead: int) -> Optional[torch.Tensor]:
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) if lead == 2 else x
 
 
-class FusedConv(NamedTuple):
-    """The causal-conv1d update whose outputs a one-token step computes itself (q, k and v then a row
-    of vLLM's mixed_qkv before the conv; kernels/conv_in_step.cuh): its state [slots, dim, state_len],
-    weight [dim, 4] and bias [dim] or None, all bf16, and whether SiLU follows. The conv state is
-    left to the conv kernel's state-only pass, which the caller launches right after the step
-    (cudelta.conv.run_after_step)."""
-    state: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-    silu: bool
-
-
 def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Optional[bool] = None,
-               early_state: bool = False, conv: Optional[FusedConv] = None) -> None:
+               early_state: bool = False) -> None:
     """The CUDA op on one call, writing `out` (v's shape and dtype; float8_e4m3fn with output_scale)
     and the pool in place: the one place where a call's value becomes the op's arguments. `variant`
     -1 is auto; `pdl` None takes CUDELTA_PDL as read at load. Dense [N, T, ...] tokens travel as rows
     of tokens with T given.
     early_state: only right after cudelta's conv update of the same step (kernels/launch.h,
-    GdnDecodeParams::early_state), when the state's loads may start before the conv ends.
-    conv: the conv the step computes itself (FusedConv; GdnDecodeParams::conv_state)."""
+    GdnDecodeParams::early_state), when the state's loads may start before the conv ends."""
     lead = 2 if call.q.dim() == 4 else 1
     T = call.q.shape[1] if lead == 2 else 1
     rows = out.view(-1, *out.shape[lead:]) if lead == 2 else out
@@ -70,8 +57,7 @@ def run_kernel(call: DecodeCall, out: torch.Tensor, variant: int = -1, pdl: Opti
         call.use_qk_l2norm, LAYOUTS.index(call.layout), min_valid_slot(call.invalid_slot), T,
         _ACTIVATIONS[call.gate_activation] if epilogue else 0, variant,
         _native.status().pdl if pdl is None else pdl, early_state,
-        0.0 if call.gate_lower_bound is None else float(call.gate_lower_bound), call.output_scale,
-        *((None, None, None, False) if conv is None else (conv.state, conv.weight, conv.bias, conv.silu)))
+        0.0 if call.gate_lower_bound is None else float(call.gate_lower_bound), call.output_scale)
 
 
 def _check(call: DecodeCall, overlap: bool = True) -> None:
@@ -79,13 +65,9 @@ def _check(call: DecodeCall, overlap: bool = True) -> None:
     check_gates(call.kind, shape.lead, shape.HV, shape.K, call.g, call.beta, call.a, call.b, call.A_log, call.dt_bias)
 
 
-def _decode(call: DecodeCall, early_state: bool = False, conv: Optional[FusedConv] = None) -> torch.Tensor:
+def _decode(call: DecodeCall, early_state: bool = False) -> torch.Tensor:
     q = call.q
     st = _native.kernels_for(q)
-    if conv is not None and (st is None or q.dim() != 3):
-        # The reference and the scratch path below have no conv in them: the caller picks this path only
-        # where the kernels run rows of tokens (cudelta.vllm_compat.gdn_decode_with_conv).
-        raise ValueError("a step with the conv in it runs in the CUDA kernels alone, on rows of tokens")
     if st is None:
         return decode_reference(call)
     if q.dtype not in _NATIVE_DTYPES:
@@ -109,13 +91,13 @@ def _decode(call: DecodeCall, early_state: bool = False, conv: Optional[FusedCon
         run_kernel(call, scratch, st.variant, early_state=early_state)
         return out.copy_(scratch)
     if compiling:  # the op names a pool it cannot address aligned, in check_kernel_pool's words
-        run_kernel(call, out, st.variant, early_state=early_state, conv=conv)
+        run_kernel(call, out, st.variant, early_state=early_state)
         return out
     # Eager: the op checks every argument before it launches anything (nothing is written when it
     # refuses), so the Python checks, 4 us a call, run only to name a refused argument the way the
     # reference path does, or a pool whose slots the kernels cannot address aligned.
     try:
-        run_kernel(call, out, st.variant, early_state=early_state, conv=conv)
+        run_kernel(call, out, st.variant, early_state=early_state)
     except RuntimeError:
         _check(call)
         check_kernel_pool(call.state)

@@ -32,7 +32,6 @@ fastest as one call, `conv_then_gdn_decode_post_conv_mtp` (benchmarks/results-h1
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -40,7 +39,7 @@ import torch
 from . import _native, conv
 from ._call import DecodeCall, gate_lower_bound_problem
 from .conv_reference import causal_conv1d_update_reference, check_conv_call
-from .ops import FusedConv, _decode, gdn_decode
+from .ops import _decode, gdn_decode
 from .reference import decode_reference
 
 MTP_HEAD_DIM = 128  # the CUDA op's K = V
@@ -48,11 +47,6 @@ MTP_MAX_TOKENS = 9  # state_indices [N, S] with 1 <= S <= 9 (vLLM 0.34; 0.33 too
 MTP_HEAD_GROUPS = (1, 2, 3, 4, 8)  # HV / H
 MTP_ACTIVATIONS = ("silu", "sigmoid")
 CONV_WIDTHS = (2, 7)  # causal_conv1d_update's, from vLLM 0.34 (0.33 did not check)
-# gdn_decode_with_conv's step with the conv in it (kernels/conv_in_step.cuh) is built and checked on
-# CPU (its code, registers, and that every other kernel's machine code is unchanged) but has not run
-# on a GPU: until a GPU run checks and times it, it is taken only where CUDELTA_CONV_IN_STEP=1 (read
-# at import), and the call otherwise runs the pair of kernels (ARCHITECTURE.md, "The conv in the step").
-CONV_IN_STEP = os.environ.get("CUDELTA_CONV_IN_STEP") == "1"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -250,10 +244,8 @@ def fused_gdn_decode_post_conv_mtp(
 
 
 def _mtp_step(H, mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state, output_gate,
-              norm_weight, out, scale, norm_eps, output_gate_activation, early_state: bool,
-              conv: Optional[FusedConv] = None) -> torch.Tensor:
-    """The MTP step on arguments _mtp_checks has passed (conv: mixed_qkv is the conv's input, whose
-    outputs the step computes; gdn_decode_with_conv)."""
+              norm_weight, out, scale, norm_eps, output_gate_activation, early_state: bool) -> torch.Tensor:
+    """The MTP step on arguments _mtp_checks has passed."""
     HV, D = state.shape[1], MTP_HEAD_DIM
     q, k, v = _split_qkv(mixed_qkv, H, HV, D, D)
     call = DecodeCall("gdn", q, k, v, None, None, state, state_indices, a=a, b=b, A_log=A_log.view(HV),
@@ -261,7 +253,7 @@ def _mtp_step(H, mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num
                       invalid_slot="nonpositive", out=out, cu_seqlens=cu_seqlens,
                       num_accepted_tokens=num_accepted_tokens, output_gate=output_gate,
                       norm_weight=norm_weight.view(D), norm_eps=norm_eps, gate_activation=output_gate_activation)
-    _decode(call, early_state=early_state, conv=conv)
+    _decode(call, early_state=early_state)
     return out
 
 
@@ -324,88 +316,6 @@ def conv_then_gdn_decode_post_conv_mtp(
                      num_accepted_tokens, int(null_block_id), conv_out)
     return _mtp_step(H, conv_out, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
                      output_gate, norm_weight, out, scale, norm_eps, output_gate_activation, early_state=True)
-
-
-def gdn_decode_with_conv(
-    mixed_qkv: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: Optional[torch.Tensor],
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    num_accepted_tokens: torch.Tensor,
-    state: torch.Tensor,
-    output_gate: torch.Tensor,
-    norm_weight: torch.Tensor,
-    out: Optional[torch.Tensor] = None,
-    scale: float = 128**-0.5,
-    norm_eps: float = 1e-5,
-    output_gate_activation: str = "silu",
-    activation: "bool | str | None" = "silu",
-    conv_state_indices: Optional[torch.Tensor] = None,
-    null_block_id: int = 0,
-) -> torch.Tensor:
-    """conv_then_gdn_decode_post_conv_mtp's layer step (same arguments, same out, same conv state and
-    pool afterwards), but the conv's outputs are not stored: mixed_qkv is left as it was (vLLM's
-    layer reads them in the step alone). Where the kernels take it, the step computes the conv
-    outputs it reads (kernels/conv_in_step.cuh), then the conv kernel shifts the windows, started
-    by the step once its windows are read, so no kernel waits for another's outputs: one token a
-    request (state_indices [N, 1]), width 4, the conv state, weight and bias bf16 with the conv
-    state's channels contiguous and its slots the pool's (conv_state_indices None, null_block_id 0),
-    in eager calls everything on 16 bytes; not yet run on a GPU, so only with CUDELTA_CONV_IN_STEP=1
-    (CONV_IN_STEP). Elsewhere, the two kernels with the conv's outputs in a scratch buffer. Returns
-    out."""
-    activation = _conv_activation(activation)
-    _require(null_block_id is not None, "null_block_id must be an int (vLLM's null block, 0)")
-    if out is None:
-        out = torch.empty_like(output_gate)
-    if not _conv_fusable(mixed_qkv, conv_state, conv_weight, conv_bias, state_indices, state, conv_state_indices,
-                         null_block_id):
-        return conv_then_gdn_decode_post_conv_mtp(
-            mixed_qkv, conv_state, conv_weight, conv_bias, a, b, A_log, dt_bias, state_indices, cu_seqlens,
-            num_accepted_tokens, state, output_gate, norm_weight, out, scale, norm_eps, output_gate_activation,
-            activation, conv_state_indices, null_block_id, conv_out=torch.empty_like(mixed_qkv))
-    H = _mtp_checks(mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
-                    output_gate, norm_weight, out, output_gate_activation)
-    indices = state_indices[:, 0]
-    _same_device(mixed_qkv=mixed_qkv, conv_state=conv_state, conv_weight=conv_weight)
-    _conv_width_rule(conv_weight)
-    check_conv_call(mixed_qkv, conv_state, conv_weight, conv_bias, activation, indices, cu_seqlens,
-                    num_accepted_tokens, None)
-    _mtp_step(H, mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state, output_gate,
-              norm_weight, out, scale, norm_eps, output_gate_activation, early_state=False,
-              conv=FusedConv(conv_state, conv_weight, conv_bias, activation is not None))
-    conv.run_after_step(mixed_qkv, conv_state, conv_weight, conv_bias, activation, indices, cu_seqlens,
-                        num_accepted_tokens, null_block_id)
-    return out
-
-
-def _conv_fusable(mixed_qkv, conv_state, conv_weight, conv_bias, state_indices, state, conv_state_indices,
-                  null_block_id) -> bool:
-    """Whether gdn_decode_with_conv's call takes the step with the conv in it (ops.cpp conv_call_params
-    holds the same rules, and names a broken one): shapes, dtypes and strides here, addresses in
-    eager calls only (a traced call has none; the op checks them when it runs)."""
-    bf16 = torch.bfloat16
-    if not CONV_IN_STEP or _native.kernels_for(mixed_qkv) is None or mixed_qkv.dtype != bf16 or mixed_qkv.dim() != 2:
-        return False
-    if state_indices.dim() != 2 or state_indices.shape[1] != 1 or conv_state_indices is not None or null_block_id != 0:
-        return False
-    if conv_weight.dtype != bf16 or conv_weight.dim() != 2 or conv_weight.shape[1] != 4 or not conv_weight.is_contiguous():
-        return False
-    if conv_bias is not None and (conv_bias.dtype != bf16 or not conv_bias.is_contiguous()):
-        return False
-    if (conv_state.dtype != bf16 or conv_state.dim() != 3 or conv_state.stride(1) != 1 or conv_state.shape[2] < 3
-            or (conv_state.stride(0) * 2) % 16 or (conv_state.stride(2) * 2) % 16 or conv_state.shape[0] < state.shape[0]
-            or mixed_qkv.stride(1) != 1 or (mixed_qkv.stride(0) * 2) % 16):
-        return False
-    if torch.compiler.is_compiling():
-        return True
-    tensors = (mixed_qkv, conv_state, conv_weight) + (() if conv_bias is None else (conv_bias,))
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _conv_width_rule(weight: torch.Tensor) -> None:

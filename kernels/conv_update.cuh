@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "common/conv_math.cuh"
 #include "common/dtype.cuh"
 #include "common/host.cuh"
 #include "common/ptx.cuh"
@@ -233,6 +232,27 @@ struct ConvAccess<void> {
   }
 };
 
+// One channel's output from its W weights, the W values of its sequence (seq(j): the window's
+// columns, then the token) and its bias: the products summed in tap order, then the bias, the
+// reference's order without contraction; SiLU with the fast exp and division (a few fp32 ulps, under
+// the output's rounding: the precise ones were most of a token's latency chain where few warps share
+// an SM). SiLU is computed whether asked or not, then selected: written `silu ? f(s) : s`, ptxas put a
+// branch around each channel's exp and reciprocal, and a token's 4 channels ran one after another
+// (H100, 16/32 heads, the conv alone: B = 1 T = 4 / 8 3.06 / 3.94 -> 2.50 / 2.96 µs, vLLM's 2.55 /
+// 3.11; B = 512 T = 4 / 8 65.0 / 97.2 -> 60.0 / 91.0; B = 32 T = 1 / 2 1-2% slower). Computing a batch's
+// tokens without the branch out of the loop at the request's end also let the tokens interleave,
+// but took 152 registers a thread (116 with it, bf16 at sm_90a) and was 12-53% slower than before
+// from B = 32 at T = 4 / 8 (benchmarks/results-h100-90d34eb.md).
+template <int W, typename Seq>
+__device__ __forceinline__ float conv_output(const float (&w)[W], const Seq& seq, float bias, bool silu) {
+  float s = __fmul_rn(w[0], seq(0));
+#pragma unroll
+  for (int j = 1; j < W; ++j) s = __fadd_rn(s, __fmul_rn(w[j], seq(j)));
+  s = __fadd_rn(bias, s);
+  const float activated = __fdividef(s, 1.f + __expf(-s));
+  return silu ? activated : s;
+}
+
 // Request n's slot, rows [bos, eos) of x and the window's first column off: their loads go out
 // together (load_index_unbranched).
 struct Request {
@@ -255,9 +275,10 @@ __device__ __forceinline__ Request load_request(const ConvUpdateParams& p, int64
 // cannot hold (a slot out of range, rows outside x, a window or new state past state_len) is skipped
 // like a null slot: the reference raises for it, which a kernel cannot without a host sync, and
 // nothing is half-written.
-template <int W, typename A, int TB, bool AFTER_STEP = false>
-__device__ __forceinline__ void conv_update_requests(const ConvUpdateParams& p) {
+template <int W, typename A, int TB>
+__device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
   constexpr int C = A::C;
+  pdl_enter();
   const int64_t c = (int64_t(blockIdx.x) * kConvThreads + threadIdx.x) * C;
   if (c >= p.dim) return;
   // The first request's slot and span are loaded before the weights are widened, which waits for
@@ -306,7 +327,7 @@ __device__ __forceinline__ void conv_update_requests(const ConvUpdateParams& p) 
           win[W - 1 + t][m] = xt;
           y[m] = A::to_state(p, conv_output<W>(w[m], [&](int j) { return win[t + j][m]; }, b[m], p.silu));
         }
-        if constexpr (!AFTER_STEP) A::store_out(p, bos + t0 + t, c, y);
+        A::store_out(p, bos + t0 + t, c, y);
         A::store_state(p, col0, W - 2 + t0 + t, win[W - 1 + t]);
       }
       // A full batch's last W - 1 values open the next batch's window (only a full batch has a next).
@@ -318,20 +339,9 @@ __device__ __forceinline__ void conv_update_requests(const ConvUpdateParams& p) 
   }
 }
 
-// The update, entered as every kernel here enters (pdl_enter), or (AFTER_STEP: the state-only pass
-// after a step that read the windows itself, ConvUpdateParams::after_step) straight away, no
-// outputs stored, waiting for that step's end only at its own. A build of its own, so that the
-// others' code is what it was.
-template <int W, typename A, int TB, bool AFTER_STEP = false>
-__device__ __forceinline__ void conv_update(const ConvUpdateParams& p) {
-  if constexpr (!AFTER_STEP) pdl_enter();
-  conv_update_requests<W, A, TB, AFTER_STEP>(p);
-  if constexpr (AFTER_STEP) pdl_enter();
-}
-
-template <int W, typename T, int TB, bool AFTER_STEP = false>
+template <int W, typename T, int TB>
 __global__ void __launch_bounds__(kConvThreads, TB <= kConvShortBatch ? 16 : 1) conv_update_kernel(const ConvUpdateParams p) {
-  conv_update<W, ConvAccess<T>, TB, AFTER_STEP>(p);
+  conv_update<W, ConvAccess<T>, TB>(p);
 }
 // vLLM's KDA layer step (ConvAccessF32Taps): bf16, one token a row.
 template <int W, int TB>
@@ -385,7 +395,7 @@ __global__ void __launch_bounds__(kConvThreads, 16) conv_update_f32_taps_ds_kern
   }
 }
 
-template <int W, typename T, int TB = kConvTokenBatch, bool F32_TAPS = false, bool DS = false, bool AFTER_STEP = false>
+template <int W, typename T, int TB = kConvTokenBatch, bool F32_TAPS = false, bool DS = false>
 int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   constexpr int C = ConvAccess<T>::C;
   cudaLaunchConfig_t cfg = {};
@@ -400,7 +410,7 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
   constexpr auto kernel = [] {
     if constexpr (DS) return &conv_update_f32_taps_ds_kernel;
     else if constexpr (F32_TAPS) return &conv_update_f32_taps_kernel<W, TB>;
-    else return &conv_update_kernel<W, T, TB, AFTER_STEP>;
+    else return &conv_update_kernel<W, T, TB>;
   }();
   prefer_carveout<kernel>(p.device, kConvCarveout);
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
@@ -410,14 +420,7 @@ int launch_conv_build(const ConvUpdateParams& p, cudaStream_t stream) {
 // else a channel a thread.
 template <int W>
 int launch_conv_width(const ConvUpdateParams& p, cudaStream_t stream) {
-  if (W != 4 && p.after_step) return static_cast<int>(cudaErrorInvalidValue);
   if constexpr (W == 4) {
-    if (p.after_step) {  // vLLM's GDN layer alone (ops.cpp): bf16 vectors, width 4
-      if (!p.vec || p.state_dtype != DType::kBFloat16) return static_cast<int>(cudaErrorInvalidValue);
-      const bool short_calls = !p.cu_seqlens || p.state_len - (W - 2) <= kConvShortBatch;
-      return short_calls ? launch_conv_build<W, __nv_bfloat16, kConvShortBatch, false, false, true>(p, stream)
-                         : launch_conv_build<W, __nv_bfloat16, kConvTokenBatch, false, false, true>(p, stream);
-    }
     if (p.f32_taps) return launch_conv_build<W, __nv_bfloat16, kConvShortBatch, true>(p, stream);
     if (p.f32_taps_ds) return launch_conv_build<W, __nv_bfloat16, kConvShortBatch, true, true>(p, stream);
   }

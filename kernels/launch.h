@@ -111,22 +111,6 @@ struct GdnDecodeParams {
   // The epilogue's FP8 output: null, or a float32 [1] on the device (vLLM's static per-tensor scale);
   // out is then e4m3 (store_out, mtp_common.cuh). Only with the epilogue.
   const float* out_scale;
-  // The causal-conv1d update fused into a one-token step (cudelta.vllm_compat.gdn_decode_with_conv):
-  // null, or q, k and v are a row of vLLM's mixed_qkv before its conv (channels: q's element i of
-  // head h is channel h * q_stride_h + i, k's conv_c_k + h * k_stride_h + i, v's conv_c_v + hv *
-  // v_stride_h + i) and the step reads their conv outputs, computed from the window at columns 0..2
-  // of the start slot's conv state (conv_state [slots, dim, state_len] bf16, channels contiguous;
-  // conv_cs_slot and conv_cs_col its other strides), conv_weight [dim, 4] bf16 contiguous and
-  // conv_bias [dim] bf16 (or null), each rounded to bf16 as the conv kernel stores it. The conv
-  // state itself is left to the conv kernel's state-only pass (ConvUpdateParams::after_step),
-  // launched after the step: the step lets it start (griddepcontrol.launch_dependents) only once
-  // every window is read. One token a request, idx [N, 1], layout vk, K = V = 128, bf16 q/k/v.
-  const void* conv_state;
-  int64_t conv_cs_slot, conv_cs_col;
-  const void* conv_weight;
-  const void* conv_bias;
-  int64_t conv_c_k, conv_c_v;
-  bool conv_silu;
 
   // Whether the call takes the multi-token kernel: anything beyond one token read and written in
   // place at idx[n] without an epilogue.
@@ -184,11 +168,6 @@ struct ConvUpdateParams {
   // 3] with each slot's [dim, 3] contiguous (cs_dim 3, cs_col 1, state_len 3), slots on 8 bytes
   // (conv_update_f32_taps_ds_kernel).
   bool f32_taps_ds;
-  // The state-only pass after a step that computed the conv outputs itself (GdnDecodeParams::
-  // conv_state): out is not written, and the kernel, launched with programmatic dependent launch
-  // after that step, starts once every step block has read its windows and waits for the step's
-  // end only at its own (so that what follows in the stream sees both).
-  bool after_step;
 };
 __attribute__((visibility("hidden"))) int launch_conv_update(const ConvUpdateParams& p, void* stream);  // units/conv.cu
 

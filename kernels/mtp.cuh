@@ -28,7 +28,6 @@ namespace {
 
 template <bool VK, int K, typename ST>
 int launch_mtp_k(const GdnDecodeParams& p, cudaStream_t stream) {
-  if (p.conv_state != nullptr && !(VK && K == 128 && one_token_call(p))) return static_cast<int>(cudaErrorInvalidValue);
   if constexpr (VK && K == 128) {
     if (one_token_call(p)) return launch_vk_one<ST>(p, stream);
     if (few_token_call<ST>(p)) return launch_vk_few<ST>(p, stream);

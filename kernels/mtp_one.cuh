@@ -51,11 +51,9 @@ __host__ __device__ constexpr int one_kernel_min_blocks() {
 // bound their builds were measured with; the warps of TPW tiles at their block's own size (sm_90a,
 // no spill: fp32, two 8-row tiles, 8 warps, 119-128 registers; bf16, two 16-row tiles, 4 warps, up
 // to 148).
-// The conv-reading builds (CONV) too are bound at their own size: bf16's 8 warps of 16 rows need
-// more than 128 registers for the conv's inputs beside the tile.
-template <int BW, int TPW, bool CONV = false>
+template <int BW, int TPW>
 __host__ __device__ constexpr int one_kernel_threads() {
-  return TPW == 1 && !CONV ? 512 : 32 * kMaxOneRows / (BW * TPW);
+  return TPW == 1 ? 512 : 32 * kMaxOneRows / (BW * TPW);
 }
 
 // The outputs of the block kernels (blockDim >= V: thread v owns output v): the epilogue's z and w
@@ -88,11 +86,9 @@ __device__ __forceinline__ void one_block_store(const GdnDecodeParams& p, const 
   store_out(p, bos * p.out_stride_n + hv * p.out_stride_h + threadIdx.x, o);
 }
 
-template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW, bool CONV = false>
+template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW>
 __device__ __forceinline__ void one_block_step(const GdnDecodeParams& p, float* s_o, float* s_sumsq) {
-  // and pdl_wait_late in warp_step; CONV: its dependents start once the windows are read (warp_step)
-  if constexpr (CONV) pdl_wait();
-  else pdl_wait_early(p);
+  pdl_wait_early(p);  // and pdl_wait_late in warp_step
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t n = block_request(p), hv = block_head(p);
   const int V = static_cast<int>(p.V);
@@ -100,26 +96,24 @@ __device__ __forceinline__ void one_block_step(const GdnDecodeParams& p, float* 
   if (!head_request_span(p, n, hv, bos, len, start)) return;
   const OneBlockOutput out = one_block_inputs(p, V, bos, hv);
   TileEpilogue epi{s_o, 0.f};
-  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false, false, CONV>(
-      p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start, start, &epi);
+  warp_step<K, ST, BW, PER_CHANNEL, TPW, STREAM, true, false>(p, warp, hv, qk_head(p, static_cast<uint32_t>(hv)), bos, start,
+                                                            start, &epi);
   one_block_store(p, out, warp, warps, bos, hv, s_o, s_sumsq, epi.sumsq);
 }
 
 // VP: the build of vLLM's call (vllm_profile, GDN only): its dtypes, index widths and V = 128 as
 // constants, as the few-token kernel's (from sm_100 the generic body, as there).
-// CONV: the build that computes the conv outputs it reads (GdnDecodeParams::conv_state; GDN).
-template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1, bool VP = false, bool CONV = false>
-__global__ void __launch_bounds__((one_kernel_threads<BW, TPW, CONV>()), (one_kernel_min_blocks<ST, BW, TPW>()))
+template <int K, typename ST, int BW, bool PER_CHANNEL, bool STREAM, int TPW = 1, bool VP = false>
+__global__ void __launch_bounds__((one_kernel_threads<BW, TPW>()), (one_kernel_min_blocks<ST, BW, TPW>()))
     decode_vk_one_kernel(const GdnDecodeParams p) {
   static_assert(BW * TPW >= kMaxOneRows / 16, "at most 16 warps a head");
   static_assert(!VP || !PER_CHANNEL, "vLLM's profile is GDN's call");
-  static_assert(!CONV || (!VP && !PER_CHANNEL), "the conv-reading build is GDN's generic body");
   __shared__ float s_o[kMaxOneRows];
   __shared__ float s_sumsq[16];
   if constexpr (VP && kProfileBodies) {
     one_block_step<K, ST, BW, PER_CHANNEL, STREAM, TPW>(vllm_profile_params<K, true>(p), s_o, s_sumsq);
   } else {
-    one_block_step<K, ST, BW, PER_CHANNEL, STREAM, TPW, CONV>(p, s_o, s_sumsq);
+    one_block_step<K, ST, BW, PER_CHANNEL, STREAM, TPW>(p, s_o, s_sumsq);
   }
 }
 
@@ -411,20 +405,8 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // +32%, bf16 +52%). Again on an H100 with the sums by st.async, clusters to two or eight pairs an SM:
 // 16/32 B=4 / 8 bf16 6.5 / 9.1 -> 8.6 / 12.7 µs, fp32 9.0 / 13.9 -> 10.3 / 16.0, B=1-2 level
 // (benchmarks/results-h100-one-token-clusters.md).
-// The conv-reading step (GdnDecodeParams::conv_state) at every batch: the block kernel, bf16's 8
-// warps of 16 rows and fp32's 16 of 8 (the block builds the rule takes from half a pair an SM),
-// the evict-first state. Its launch bound and registers: tests/unit/test_kernel_spills.py.
-template <typename ST>
-int launch_vk_one_conv(const GdnDecodeParams& p, cudaStream_t stream) {
-  constexpr int BW = std::is_same_v<ST, float> ? 8 : 16;
-  if (p.g_per_channel || p.V != kMaxOneRows) return static_cast<int>(cudaErrorInvalidValue);  // ops.cpp refuses them
-  return launch_decode(decode_vk_one_kernel<128, ST, BW, false, true, 1, false, true>, request_head_grid(p),
-                       dim3(static_cast<unsigned>(p.V / BW) * 32), p, stream);
-}
-
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
-  if (p.conv_state != nullptr) return launch_vk_one_conv<ST>(p, stream);
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
   const bool epilogue = p.gate_activation > 0;
   // The separate epilogue (launch_vk_one_split with it, images without clusters) reads the outputs

@@ -7,7 +7,6 @@
 #include <cstdint>
 
 #include "launch.h"
-#include "conv_in_step.cuh"
 #include "common/dtype.cuh"
 #include "common/host.cuh"
 #include "common/ptx.cuh"
@@ -93,12 +92,9 @@ __device__ __forceinline__ void tile_row_sums(const Partial& partial, int lane, 
 // is invalid), the outputs at out row n, or (EPI) to the epilogue's buffer. STAGED_LAST: the last
 // tile is not loaded into registers but read where it is used from `staged`, a copy of its rows in
 // shared memory laid out as in the slot, whose asynchronous copies (each lane's own chunks) the
-// caller issued (decode_vk_one_staged_kernel). CONV: q, k and v are the conv's inputs, and the step
-// reads their conv outputs (conv_in_step.cuh) from the window of slot `src`; once the block's
-// windows are read it lets the conv's state-only pass start (pdl_trigger): the caller entered with
-// pdl_wait alone. A block barrier: the block kernel's warps only (decode_vk_one_kernel).
+// caller issued (decode_vk_one_staged_kernel).
 template <int K, typename ST, int BW, bool PER_CHANNEL, int TPW, bool STREAM, bool EPI = false, bool DST_CHECK = EPI,
-          bool STAGED_LAST = false, bool CONV = false>
+          bool STAGED_LAST = false>
 __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, int64_t hv, int64_t h, int64_t n,
                                           int64_t src, int64_t dst, TileEpilogue* epi = nullptr,
                                           const typename Chunk<ST>::Raw* staged = nullptr) {
@@ -152,45 +148,16 @@ __device__ __forceinline__ void warp_step(const GdnDecodeParams& p, uint32_t g, 
     d_bits[0] = load_decay_bits(p, n, hv, -1);
   }
   const uint32_t a_log_bits = load_a_log_bits(p, hv), beta_bits = load_beta_bits(p, n, hv);
-  // CONV: the conv's other inputs of the same channels, issued with them.
-  ConvRunBits<E> q_conv[CONV ? CPL : 1], k_conv[CONV ? CPL : 1];
-  ConvOneBits v_conv[CONV ? TPW : 1];
-  if constexpr (CONV) {
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-      q_conv[i] = conv_run_load<E>(p, src, h * p.q_stride_h + E * (i * LPR + l));
-      k_conv[i] = conv_run_load<E>(p, src, p.conv_c_k + h * p.k_stride_h + E * (i * LPR + l));
-    }
-#pragma unroll
-    for (int t = 0; t < TPW; ++t) v_conv[t] = conv_one_load(p, src, p.conv_c_v + hv * p.v_stride_h + row0 + t * BW + my_row);
-  }
 
   // Then their values, and the three dot products over the row's lanes.
   float vv[TPW];
+#pragma unroll
+  for (int t = 0; t < TPW; ++t) vv[t] = widen_bits(v_bits[t], p.dtype);
   float qv[CPL][E], kv[CPL][E], decay[CPL * E];  // decay of channel E * (i * LPR + l) + m at i * E + m
-  if constexpr (CONV) {
-    // The launch holds q, k and v to aligned bf16 runs (ops.cpp). Every lane of the block has its
-    // windows once the barrier's predicate, which reads every conv output, is taken.
-    float read = 0.f;
 #pragma unroll
-    for (int t = 0; t < TPW; ++t) read += vv[t] = conv_one_value(p, v_bits[t], v_conv[t]);
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-      conv_run_values<E>(p, q_bits[i], q_conv[i], qv[i]);
-      conv_run_values<E>(p, k_bits[i], k_conv[i], kv[i]);
-#pragma unroll
-      for (int m = 0; m < E; ++m) read += qv[i][m] + kv[i][m];
-    }
-    (void)__syncthreads_or(__float_as_uint(read) == 0x7fffffffu);
-    pdl_trigger();
-  } else {
-#pragma unroll
-    for (int t = 0; t < TPW; ++t) vv[t] = widen_bits(v_bits[t], p.dtype);
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-      widen_run<E>(q_bits[i], p.dtype, p.qk_aligned, qv[i]);
-      widen_run<E>(k_bits[i], p.dtype, p.qk_aligned, kv[i]);
-    }
+  for (int i = 0; i < CPL; ++i) {
+    widen_run<E>(q_bits[i], p.dtype, p.qk_aligned, qv[i]);
+    widen_run<E>(k_bits[i], p.dtype, p.qk_aligned, kv[i]);
   }
   if constexpr (PER_CHANNEL) {
     decays<CPL * E>(p, d_bits, a_log_bits, decay);

@@ -23,20 +23,6 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
-// pdl_enter's two halves, apart, for a kernel whose dependents may start only past a point of its
-// own: the one-token step that reads the conv state before the conv's state-only pass (launched
-// after it) overwrites it (GdnDecodeParams::conv_state).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // Whether this compile pass has clusters: a build launched only in clusters has its body in sm_90+
 // images alone (the host pass's value is not used).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900

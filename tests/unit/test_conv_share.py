@@ -91,15 +91,15 @@ def test_the_table_prints_the_pair_ratio_and_the_conv_share():
     med = {("bfloat16", 1, 2, "conv"): 3.0, ("bfloat16", 1, 2, "vllm-cuda"): 8.0, ("bfloat16", 1, 2, "cudelta"): 6.0,
            ("bfloat16", 1, 2, "conv+vllm-cuda"): 12.0, ("bfloat16", 1, 2, "conv+cudelta"): 8.0}
     text = conv_share.render(med, {("bfloat16", 1, 2, "conv+cudelta")}, ["bfloat16"], [1], [2], "HEADER", ["NOTE"])
-    assert "| 1 | 3.0 / — · 8.0 / 6.0 · 12.0 / 8.0 ✗ / — / — / — · 1.50x / — / — / — → 2.00x · 25% |" in text
+    assert "| 1 | 3.0 / — · 8.0 / 6.0 · 12.0 / 8.0 ✗ / — / — · 1.50x / — / — → 2.00x · 25% |" in text
     assert "- bfloat16: the conv is 25-25% of vLLM's pair; vLLM's pair ÷ cudelta's 1.50-1.50x" in text
     assert ("- bfloat16, B <= 8: the pair at >= 1.5x vLLM's in 1 of 1 cells; with the conv fused at no cost in 1 of 1 "
             "(ceilings 2.00-2.00x)") in text
     assert text.startswith("HEADER") and text.rstrip().endswith("NOTE")
     # a cell without its pair prints dashes, and no summary claims a number it lacks
     text = conv_share.render({("bfloat16", 4, 1, "conv"): 2.0}, set(), ["bfloat16"], [4], [1], "H", [])
-    assert "| 4 | 2.0 / — · — / — · — / — / — / — / — · — / — / — / — → — · — |" in text and "the conv is" not in text
-    assert "own pair (its conv" not in text and "own pair in one call" not in text and "- bfloat16: cudelta's step" not in text
+    assert "| 4 | 2.0 / — · — / — · — / — / — / — · — / — / — → — · — |" in text and "the conv is" not in text
+    assert "own pair (its conv" not in text and "own pair in one call" not in text
     # pairs timed at B <= 8 but no step alone (its run skipped): no ceiling claimed, and no crash on it
     med = {("bfloat16", 1, 2, "conv"): 3.0, ("bfloat16", 1, 2, "conv+vllm-cuda"): 12.0,
            ("bfloat16", 1, 2, "conv+cudelta"): 8.0}
@@ -162,7 +162,7 @@ def test_a_saved_run_renders_again_with_medians_over_its_processes(tmp_path, mon
     text = conv_share.render_dump(path)
     assert text.startswith("vLLM's MTP layer step, conv then step (H=4, HV=8, K=V=128, conv width 4 over 2048 channels")
     assert "GPU X; median of 3 of 3 processes, 50 s" in text
-    assert "| 8 | 2.6 / — · 9.0 / 7.5 · 12.0 / 10.0 / — / — / — · 1.20x / — / — / — → 1.60x · 22% |" in text
+    assert "| 8 | 2.6 / — · 9.0 / 7.5 · 12.0 / 10.0 / — / — · 1.20x / — / — → 1.60x · 22% |" in text
     assert "Checks: 9 of 9 agree" in text and "largest 38.5%" in text
 
 
@@ -185,18 +185,15 @@ def test_the_table_prints_cudeltas_own_pair_beside_vllms():
     med = {("bfloat16", 1, 2, "conv"): 3.0, ("bfloat16", 1, 2, "cudelta-conv"): 2.0, ("bfloat16", 1, 2, "vllm-cuda"): 8.0,
            ("bfloat16", 1, 2, "cudelta"): 6.0, ("bfloat16", 1, 2, "conv+vllm-cuda"): 12.0,
            ("bfloat16", 1, 2, "conv+cudelta"): 9.0, ("bfloat16", 1, 2, "cudelta-conv+cudelta"): 7.5,
-           ("bfloat16", 1, 2, "cudelta-one-call"): 6.0, ("bfloat16", 1, 2, "cudelta-fused"): 4.8,
+           ("bfloat16", 1, 2, "cudelta-one-call"): 6.0,
            ("bfloat16", 32, 2, "conv+vllm-cuda"): 30.0, ("bfloat16", 32, 2, "cudelta-conv+cudelta"): 25.0,
            ("bfloat16", 32, 2, "cudelta-one-call"): 31.0}
     text = conv_share.render(med, set(), ["bfloat16"], [1, 32], [2], "HEADER", [])
-    assert "| 1 | 3.0 / 2.0 · 8.0 / 6.0 · 12.0 / 9.0 / 7.5 / 6.0 / 4.8 · 1.33x / 1.60x / 2.00x / 2.50x → 2.00x · 25% |" in text
+    assert "| 1 | 3.0 / 2.0 · 8.0 / 6.0 · 12.0 / 9.0 / 7.5 / 6.0 · 1.33x / 1.60x / 2.00x → 2.00x · 25% |" in text
     assert ("- bfloat16: cudelta's own pair (its conv, then its step) 1.20-1.60x vLLM's pair, slower in 0 of 2 "
             "cells; at B <= 8 >= 1.5x in 1 of 1 cells") in text
     # a cell where it is slower than vLLM's pair is counted, not hidden in the range
     assert ("- bfloat16: cudelta's own pair in one call 0.97-2.00x vLLM's pair, slower in 1 of 2 cells; at B <= 8 "
-            ">= 1.5x in 1 of 1 cells") in text
-    # the step with the conv in it: timed at B=1 alone here, so its line counts that cell
-    assert ("- bfloat16: cudelta's step with the conv in it 2.50-2.50x vLLM's pair, slower in 0 of 1 cells; at B <= 8 "
             ">= 1.5x in 1 of 1 cells") in text
 
 
@@ -209,10 +206,8 @@ def test_cudeltas_conv_and_its_pair_are_checked_against_the_fp32_products():
     result = {"checks": [], "skips": []}
     calls = conv_share.cell_calls(cc, reference_conv(), {report.CUDELTA: vllm_compat.fused_gdn_decode_post_conv_mtp},
                                   own_conv=vllm_compat.causal_conv1d_update,
-                                  own_one_call=vllm_compat.conv_then_gdn_decode_post_conv_mtp,
-                                  own_fused=vllm_compat.gdn_decode_with_conv)
-    assert list(calls) == ["conv", "cudelta", "conv+cudelta", "cudelta-conv", "cudelta-conv+cudelta", "cudelta-one-call",
-                           "cudelta-fused"]
+                                  own_one_call=vllm_compat.conv_then_gdn_decode_post_conv_mtp)
+    assert list(calls) == ["conv", "cudelta", "conv+cudelta", "cudelta-conv", "cudelta-conv+cudelta", "cudelta-one-call"]
     assert conv_share.check_cell(cc, calls, result) == set(calls)
     got = {c["impl"]: c for c in result["checks"]}
     assert all(c["ok"] for c in got.values()), got

@@ -2,8 +2,6 @@
 (packed mixed_qkv rows of a wider projection, output_gate split from the same rows, the padded state
 pool of its mamba cache, slot 0 the null block): against the float64 loop, and vLLM's argument rules."""
 
-from unittest import mock
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -336,40 +334,6 @@ def test_the_pair_writes_the_conv_into_conv_out_and_leaves_mixed_qkv():
     expected = vllm_compat.conv_then_gdn_decode_post_conv_mtp(**in_place)
     assert torch.equal(pair["mixed_qkv"], x) and torch.equal(conv_out, in_place["mixed_qkv"])
     assert torch.equal(out, expected)
-
-
-def test_the_step_with_the_conv_in_it_is_the_pair_and_leaves_mixed_qkv():
-    # On CPU (no kernels) it takes the pair with the conv's outputs in a scratch buffer: the same out,
-    # conv state and pool as the pair, mixed_qkv as it was.
-    fused = pair_args()
-    pair = {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in fused.items()}
-    x = fused["mixed_qkv"].clone()
-    out = vllm_compat.gdn_decode_with_conv(**fused)
-    expected = vllm_compat.conv_then_gdn_decode_post_conv_mtp(**pair)
-    assert out is fused["out"] and torch.equal(out, expected)
-    assert torch.equal(fused["mixed_qkv"], x)
-    assert torch.equal(fused["conv_state"], pair["conv_state"]) and torch.equal(fused["state"], pair["state"])
-
-
-def test_the_conv_goes_in_the_step_only_where_the_kernels_take_it():
-    args = pair_args()
-    conv_only = dict(mixed_qkv=args["mixed_qkv"], conv_state=args["conv_state"], conv_weight=args["conv_weight"],
-                     conv_bias=args["conv_bias"], state_indices=args["state_indices"][:, :1], state=args["state"],
-                     conv_state_indices=None, null_block_id=0)
-    assert not vllm_compat._conv_fusable(**conv_only)  # CPU tensors: no kernels
-    cases = {"two columns": dict(state_indices=args["state_indices"]),
-             "its own conv slots": dict(conv_state_indices=args["conv_state_indices"]),
-             "null block 1": dict(null_block_id=1),
-             "width 3": dict(conv_weight=args["conv_weight"][:, :3].contiguous()),
-             "fp32 weight": dict(conv_weight=args["conv_weight"].float()),
-             "channels apart": dict(conv_state=args["conv_state"].contiguous())}
-    with mock.patch.object(vllm_compat._native, "kernels_for", return_value=object()):
-        with mock.patch.object(vllm_compat, "CONV_IN_STEP", False):
-            assert not vllm_compat._conv_fusable(**conv_only)  # not run on a GPU yet: opt-in
-        with mock.patch.object(vllm_compat, "CONV_IN_STEP", True):
-            assert vllm_compat._conv_fusable(**conv_only)
-            for name, change in cases.items():
-                assert not vllm_compat._conv_fusable(**dict(conv_only, **change)), name
 
 
 PAIR_CASES = [
