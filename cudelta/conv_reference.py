@@ -2,7 +2,7 @@
 
 vLLM 0.33 runs `causal_conv1d_update` (a Triton kernel of its own) on the projected `mixed_qkv`
 before `fused_gdn_decode_post_conv_mtp`; cudelta runs it as a kernel of its own too
-(cudelta.conv.causal_conv1d_update, kernels/conv_update.cuh), not fused into the step yet
+(cudelta.conv.causal_conv1d_update, kernels/conv_update.cuh), not fused into the step
 (ARCHITECTURE.md, "Not fused yet"). This is the semantics both keep, and a fused step must, and
 what benchmarks/conv_share.py checks vLLM's kernel and cudelta's against before timing them:
 

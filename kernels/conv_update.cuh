@@ -1,8 +1,8 @@
 // The causal-conv1d update that precedes the step in vLLM's GDN layer, as a kernel of its own
 // (cudelta/conv_reference.py is its semantics; ConvUpdateParams in launch.h its arguments). Not
-// fused into the step yet (ARCHITECTURE.md, "Not fused yet"): this is the piece the fused step's
-// staging will take over, and until then it lets an engine run the layer's decode pair on
-// cudelta's kernels, the two chained by programmatic dependent launch.
+// fused into the step: both fused steps built so far lost to this kernel and the step chained by
+// programmatic dependent launch (ARCHITECTURE.md, "Not fused yet"), which is how an engine runs the
+// layer's decode pair on cudelta's kernels.
 #pragma once
 
 #include <cuda_runtime.h>
