@@ -3,11 +3,12 @@ tensors (kernels/conv_update.cuh), the PyTorch reference (cudelta.conv_reference
 
 Not fused into the step: both fused steps built so far were slower than this kernel and the step
 chained (ARCHITECTURE.md, "Not fused yet"). A kernel of its own, launched with programmatic
-dependent launch on sm_90+ like the step, so the layer's decode pair runs on cudelta's kernels. The semantics are the reference's; one difference a kernel cannot avoid without a host
-sync: a request the pool cannot hold (its slot out of range, its rows outside x, its window or new
-state past state_len, a slot named twice) raises in the reference, while the kernel skips it, as it
-skips a null slot (nothing written, its output rows untouched), and two requests naming one slot
-race. vLLM's kernel checks none of these either.
+dependent launch on sm_90+ like the step, so the layer's decode pair runs on cudelta's kernels.
+The semantics are the reference's; one difference a kernel cannot avoid without a host sync: a
+request the pool cannot hold (its slot out of range, its rows outside x, its window or new state
+past state_len, a slot named twice) raises in the reference, while the kernel skips it, as it skips
+a null slot (nothing written, its output rows untouched), and two requests naming one slot race.
+vLLM's kernel checks none of these either.
 """
 
 from __future__ import annotations
