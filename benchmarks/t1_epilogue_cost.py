@@ -17,6 +17,7 @@ outputs, every slot, every other byte of the pool); a call that disagrees stops 
 
     # on the GPU machine, cudelta built there:
     python -P benchmarks/t1_epilogue_cost.py [--states bfloat16 float32] [--batches 1 4 8 32 128 512]
+    python -P benchmarks/t1_epilogue_cost.py --heads 4/8 --states bfloat16 --batches 32   # another head shape
 
 One process, µs per call; for the issue's tables use mtp_bench.py (medians of 3 processes).
 """
@@ -114,10 +115,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--states", nargs="+", default=bench.STATES)
     ap.add_argument("--batches", nargs="+", type=int, default=bench.FULL["batches"])
+    ap.add_argument("--heads", type=bench.parse_heads, default=(bench.H, bench.HV), metavar="H/HV",
+                    help=f"q/k heads / v heads, default {bench.H}/{bench.HV} (as mtp_bench.py --heads)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
+    bench.set_heads(*args.heads)
     rows = []
     names = list(EPILOGUE)
+    print(f"H={bench.H}, HV={bench.HV}")
     print("| state | B | " + " | ".join(names) + " | kernels of compat (µs) |")
     print("|---" * (len(names) + 3) + "|")
     for state in args.states:
