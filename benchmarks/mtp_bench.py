@@ -367,6 +367,15 @@ class Cell:
         perm = torch.randperm(sets * n, device=DEVICE, generator=self.gen).to(torch.int32) + 1
         return [perm[i * n:(i + 1) * n].view(self.B, self.T).contiguous() for i in range(sets)]
 
+    def consecutive_sets(self, sets: int):
+        """slot_sets' slots side by side: set i is slots i*B*T+1 .. (i+1)*B*T in order, so a set's
+        pages are adjacent in the pool where slot_sets scatters them over all of it (what the
+        one-token kernels pay for the scatter: benchmarks/results-h100-t1-scatter.md)."""
+        torch = self.torch
+        n = self.B * self.T
+        slots = torch.arange(1, sets * n + 1, device=DEVICE, dtype=torch.int32)
+        return [slots[i * n:(i + 1) * n].view(self.B, self.T).contiguous() for i in range(sets)]
+
     def mtp_call(self, fn):
         """fn(...) with vLLM's argument order: call(state, idx) writes self.out."""
         return lambda state, idx: fn(self.mixed_qkv, self.a, self.b, self.A_log, self.dt_bias, idx, self.cu_seqlens,

@@ -18,6 +18,10 @@ outputs, every slot, every other byte of the pool); a call that disagrees stops 
     # on the GPU machine, cudelta built there:
     python -P benchmarks/t1_epilogue_cost.py [--states bfloat16 float32] [--batches 1 4 8 32 128 512]
     python -P benchmarks/t1_epilogue_cost.py --heads 4/8 --states bfloat16 --batches 32   # another head shape
+    python -P benchmarks/t1_epilogue_cost.py ... --slots consecutive   # each call's slots side by side
+
+--slots: the timed calls' slot sets drawn at random over the pool (mtp_bench's, the default) or
+consecutive (Cell.consecutive_sets): the same pool and bytes, the pages of a call's slots adjacent.
 
 One process, µs per call; for the issue's tables use mtp_bench.py (medians of 3 processes).
 """
@@ -93,7 +97,7 @@ def kernel_times(call, pool, sets, between) -> dict:
     return {name: round(sorted(t)[len(t) // 2], 1) for name, t in times.items()}
 
 
-def run(state: str, B: int) -> dict:
+def run(state: str, B: int, slots: str = "random") -> dict:
     import torch
 
     cell = bench.Cell(state, B, 1, seed=B)
@@ -102,10 +106,10 @@ def run(state: str, B: int) -> dict:
         raise SystemExit(f"t1_epilogue_cost: {state} B={B}: " + "; ".join(f"{c['impl']}: {c['detail']}" for c in wrong))
     bench.empty_cache()
     _, pool = cell.pool(1 + cell.sets * B, random_bytes=False)
-    sets = cell.slot_sets(cell.sets)
+    sets = cell.slot_sets(cell.sets) if slots == "random" else cell.consecutive_sets(cell.sets)
     clock, timed = bench.SeparatedClock(cell.sets), calls(cell)
     us = {name: round(clock.time(lambda i, call=call: call(pool, sets[i]))[0], 1) for name, call in timed.items()}
-    row = dict(state=state, B=B, us=us, kernels=kernel_times(timed["compat"], pool, sets, clock.between))
+    row = dict(state=state, B=B, slots=slots, us=us, kernels=kernel_times(timed["compat"], pool, sets, clock.between))
     del pool, sets
     torch.cuda.empty_cache()
     return row
@@ -117,17 +121,19 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=bench.FULL["batches"])
     ap.add_argument("--heads", type=bench.parse_heads, default=(bench.H, bench.HV), metavar="H/HV",
                     help=f"q/k heads / v heads, default {bench.H}/{bench.HV} (as mtp_bench.py --heads)")
+    ap.add_argument("--slots", choices=("random", "consecutive"), default="random",
+                    help="the timed calls' slot sets: drawn at random over the pool, or side by side")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     bench.set_heads(*args.heads)
     rows = []
     names = list(EPILOGUE)
-    print(f"H={bench.H}, HV={bench.HV}")
+    print(f"H={bench.H}, HV={bench.HV}, {args.slots} slots")
     print("| state | B | " + " | ".join(names) + " | kernels of compat (µs) |")
     print("|---" * (len(names) + 3) + "|")
     for state in args.states:
         for B in args.batches:
-            row = run(state, B)
+            row = run(state, B, args.slots)
             rows.append(row)
             kernels = "; ".join(f"{k} {t}" for k, t in row["kernels"].items())
             print(f"| {state} | {B} | " + " | ".join(str(row["us"][n]) for n in names) + f" | {kernels} |", flush=True)

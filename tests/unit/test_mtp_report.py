@@ -276,3 +276,16 @@ def test_the_t1_breakdown_s_five_calls_are_checked_each_against_its_own_referenc
     monkeypatch.setitem(t1.EPILOGUE, "contract", True)
     rows = t1.check_all(mtp_bench.Cell("bfloat16", 2, 1, seed=5))
     assert [c["impl"] for c in rows if not c["ok"]] == ["contract"]
+
+
+@pytest.mark.usefixtures("small_heads_on_cpu")
+def test_consecutive_slot_sets_name_the_same_slots_as_the_random_ones_side_by_side():
+    import torch
+
+    cell = mtp_bench.Cell("bfloat16", 3, 2, seed=7)
+    drawn, side_by_side = cell.slot_sets(4), cell.consecutive_sets(4)
+    assert [s.shape for s in side_by_side] == [torch.Size([3, 2])] * 4
+    assert all(s.dtype == torch.int32 and s.is_contiguous() for s in side_by_side)
+    # the same 24 slots, never the null block 0, each once
+    assert sorted(torch.cat([s.flatten() for s in drawn]).tolist()) == list(range(1, 25))
+    assert torch.cat([s.flatten() for s in side_by_side]).tolist() == list(range(1, 25))
