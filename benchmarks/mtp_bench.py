@@ -370,7 +370,7 @@ class Cell:
     def consecutive_sets(self, sets: int):
         """slot_sets' slots side by side: set i is slots i*B*T+1 .. (i+1)*B*T in order, so a set's
         pages are adjacent in the pool where slot_sets scatters them over all of it (what the
-        one-token kernels pay for the scatter: benchmarks/results-h100-t1-scatter.md)."""
+        one-token block kernel pays for the scatter: benchmarks/results-h100-t1-scatter.md)."""
         torch = self.torch
         n = self.B * self.T
         slots = torch.arange(1, sets * n + 1, device=DEVICE, dtype=torch.int32)
