@@ -360,20 +360,17 @@ class Cell:
         """The state view [slots, HV, V, K] into pages [slots, page] (pool's, or a copy's)."""
         return pages[:, CONV_BYTES:CONV_BYTES + self.block].view(self.dtype).view(pages.shape[0], HV, V, K)
 
-    def slot_sets(self, sets: int):
-        """sets index tensors [B, T] int32 over slots 1..sets*B*T (a permutation: no slot twice)."""
+    def slot_sets(self, sets: int, consecutive: bool = False):
+        """sets index tensors [B, T] int32 over slots 1..sets*B*T (a permutation: no slot twice).
+        consecutive: the same slots side by side, set i slots i*B*T+1 .. (i+1)*B*T in order, so a
+        set's pages are adjacent in the pool where the permutation scatters them over all of it (what
+        the one-token block kernel pays for the scatter: benchmarks/results-h100-t1-scatter.md)."""
         torch = self.torch
         n = self.B * self.T
-        perm = torch.randperm(sets * n, device=DEVICE, generator=self.gen).to(torch.int32) + 1
-        return [perm[i * n:(i + 1) * n].view(self.B, self.T).contiguous() for i in range(sets)]
-
-    def consecutive_sets(self, sets: int):
-        """slot_sets' slots side by side: set i is slots i*B*T+1 .. (i+1)*B*T in order, so a set's
-        pages are adjacent in the pool where slot_sets scatters them over all of it (what the
-        one-token block kernel pays for the scatter: benchmarks/results-h100-t1-scatter.md)."""
-        torch = self.torch
-        n = self.B * self.T
-        slots = torch.arange(1, sets * n + 1, device=DEVICE, dtype=torch.int32)
+        if consecutive:
+            slots = torch.arange(1, sets * n + 1, device=DEVICE, dtype=torch.int32)
+        else:
+            slots = torch.randperm(sets * n, device=DEVICE, generator=self.gen).to(torch.int32) + 1
         return [slots[i * n:(i + 1) * n].view(self.B, self.T).contiguous() for i in range(sets)]
 
     def mtp_call(self, fn):

@@ -21,7 +21,7 @@ outputs, every slot, every other byte of the pool); a call that disagrees stops 
     python -P benchmarks/t1_epilogue_cost.py ... --slots consecutive   # each call's slots side by side
 
 --slots: the timed calls' slot sets drawn at random over the pool (mtp_bench's, the default) or
-consecutive (Cell.consecutive_sets): the same pool and bytes, the pages of a call's slots adjacent.
+consecutive (Cell.slot_sets(..., consecutive=True)): the same pool and bytes, the pages of a call's slots adjacent.
 
 One process, µs per call; for the issue's tables use mtp_bench.py (medians of 3 processes).
 """
@@ -106,7 +106,7 @@ def run(state: str, B: int, slots: str = "random") -> dict:
         raise SystemExit(f"t1_epilogue_cost: {state} B={B}: " + "; ".join(f"{c['impl']}: {c['detail']}" for c in wrong))
     bench.empty_cache()
     _, pool = cell.pool(1 + cell.sets * B, random_bytes=False)
-    sets = cell.slot_sets(cell.sets) if slots == "random" else cell.consecutive_sets(cell.sets)
+    sets = cell.slot_sets(cell.sets, consecutive=slots == "consecutive")
     clock, timed = bench.SeparatedClock(cell.sets), calls(cell)
     us = {name: round(clock.time(lambda i, call=call: call(pool, sets[i]))[0], 1) for name, call in timed.items()}
     row = dict(state=state, B=B, slots=slots, us=us, kernels=kernel_times(timed["compat"], pool, sets, clock.between))

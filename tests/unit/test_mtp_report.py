@@ -283,7 +283,7 @@ def test_consecutive_slot_sets_name_the_same_slots_as_the_random_ones_side_by_si
     import torch
 
     cell = mtp_bench.Cell("bfloat16", 3, 2, seed=7)
-    drawn, side_by_side = cell.slot_sets(4), cell.consecutive_sets(4)
+    drawn, side_by_side = cell.slot_sets(4), cell.slot_sets(4, consecutive=True)
     assert [s.shape for s in side_by_side] == [torch.Size([3, 2])] * 4
     assert all(s.dtype == torch.int32 and s.is_contiguous() for s in side_by_side)
     # the same 24 slots, never the null block 0, each once
