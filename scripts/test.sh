@@ -2,7 +2,7 @@
 # The test suite CI runs, from a fresh machine: makes its own venv, installs what the tests need,
 # lints the workflows (scripts/lint.sh), then runs everything that needs no GPU (unit, release build
 # + wheel checks, the release dry run, end-to-end pip installs).
-#   scripts/test.sh                      # all of it (~30-50 min on 2 cores, nearly all pytest;
+#   scripts/test.sh                      # all of it (~18-50 min on 2 cores, nearly all pytest;
 #                                        # the log ends with the 25 slowest tests)
 #   scripts/test.sh -m "not gpu and not e2e"   # the fast unit tests only
 # GPU tests (marker gpu) run on a GPU machine: pytest -m gpu tests/gpu, with cudelta installed.
