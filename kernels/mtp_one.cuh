@@ -404,7 +404,11 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // a pair an SM (B=4 +9%, +15% without the evict-first state); clusters up to a pair an SM (B=4 fp32
 // +32%, bf16 +52%). Again on an H100 with the sums by st.async, clusters to two or eight pairs an SM:
 // 16/32 B=4 / 8 bf16 6.5 / 9.1 -> 8.6 / 12.7 µs, fp32 9.0 / 13.9 -> 10.3 / 16.0, B=1-2 level
-// (benchmarks/results-h100-one-token-clusters.md).
+// (benchmarks/results-h100-one-token-clusters.md). Against the cost of slots scattered over the
+// pool at two blocks an SM (H100, bf16, 4/8 heads B=32, vLLM's call: 9.26 µs, 8.46 on consecutive
+// slots), the block kernel launched in clusters of a request's heads (9.85; level at B=24, where
+// they fit one wave), 16 warps of 8 rows (9.41), 4 warps of two tiles (9.53), plain state loads
+// (9.88) (benchmarks/results-h100-t1-scatter.md).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
