@@ -240,8 +240,8 @@ __device__ __forceinline__ bool request_span(const GdnDecodeParams& p, int64_t n
 // fastest: the blocks of request N (a cu_seqlens launch's extra blocks, which only zero rows) come
 // last in the order blocks are scheduled, after every request's (interleaved, they cost a grid of one
 // block an SM a second wave: H200, bf16 T=1 B=4 7.2 -> 6.5 µs). Requests fastest instead: H100, bf16
-// T=1, 4/8 heads B=32 and 2/4 B=64 0.14-0.34 µs faster on random slots, 0.3-0.4 slower on
-// consecutive ones, 16/32 B=4 and 8 0.2-0.5 slower (benchmarks/results-h100-t1-scatter.md).
+// T=1, 4/8 heads B=32 and 2/4 B=64 0.14-0.36 µs faster on random slots, 0.26-0.36 slower on
+// consecutive ones, 16/32 B=4 and 8 0.18-0.57 slower (benchmarks/results-h100-t1-scatter.md).
 __device__ __forceinline__ int64_t block_request(const GdnDecodeParams& p) { return blockIdx.x / static_cast<uint32_t>(p.HV); }
 __device__ __forceinline__ int64_t block_head(const GdnDecodeParams& p) { return blockIdx.x % static_cast<uint32_t>(p.HV); }
 

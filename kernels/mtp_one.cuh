@@ -407,9 +407,9 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // (benchmarks/results-h100-one-token-clusters.md). Against the cost of slots scattered over the
 // pool at two blocks an SM (H100, bf16, 4/8 heads B=32, vLLM's call: 9.26 µs, 8.46 on consecutive
 // slots), the block kernel launched in clusters of a request's heads (9.85; level at B=24, where
-// they fit one wave), two heads of a request a block (9.20, but 8.81 against 8.50 on consecutive
-// slots), 16 warps of 8 rows (9.41), 4 warps of two tiles (9.53), plain state loads (9.88)
-// (benchmarks/results-h100-t1-scatter.md).
+// they fit one wave), two heads of a request a block (level on random slots, 8.81 against 8.50 on
+// consecutive ones), 16 warps of 8 rows (9.41), 4 warps of two tiles (9.53), plain state loads
+// (9.88) (benchmarks/results-h100-t1-scatter.md).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
