@@ -4,6 +4,7 @@
     python -P benchmarks/ncu_mtp.py [--cells bfloat16:512:2 ...] [--calls 3] [--out FILE]
     python -P benchmarks/ncu_mtp.py --source --calls 8 --cells bfloat16:4:2   # where the warps wait
     python -P benchmarks/ncu_mtp.py --source --heads 4/8 --cells bfloat16:1:8    # another head shape
+    python -P benchmarks/ncu_mtp.py --source --heads 4/8 --cells bfloat16:32:1 --slots consecutive
 
 Each cell (state dtype, B, T) is built as mtp_bench.py builds it (vLLM's GDN call: packed mixed_qkv,
 cu_seqlens, idx [B, T], num_accepted_tokens, the gated RMSNorm), and both implementations make
@@ -12,6 +13,11 @@ caches before each launch, so the state comes from DRAM). For each kernel of a c
 the medians over the calls: time, DRAM throughput (% of peak) and bytes, achieved occupancy and what
 bounds it, and the warp stall reasons (cycles per issued instruction, the largest three), which is
 what the closing notes of issue 17 quote.
+
+--slots: each call's slot set drawn at random over the pool (mtp_bench's, the default) or its slots
+side by side (Cell.slot_sets(..., consecutive=True)): the one-token block kernel pays for the scatter
+at two blocks an SM (benchmarks/results-h100-t1-scatter.md), and --source without the cache flush
+is the profile that can set the two orders side by side.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import ncu_source  # noqa: E402
 
 DEFAULT_CELLS = ("bfloat16:1:1", "bfloat16:8:2", "bfloat16:32:2", "bfloat16:512:1", "bfloat16:512:2",
                  "bfloat16:512:4", "float32:512:2")
+SLOT_ORDERS = ("random", "consecutive")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis")
 KERNELS = "regex:decode_|gated_rms|gdn_decode_post_conv"
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
@@ -61,8 +68,9 @@ def parse_cell(text: str) -> tuple[str, int, int]:
     return state, int(B), int(T)
 
 
-def workload(state: str, B: int, T: int, calls: int, so: str, reason: str) -> None:
-    """The cell's calls, cudelta's then vLLM's, each on its own slot set (what ncu profiles)."""
+def workload(state: str, B: int, T: int, calls: int, so: str, reason: str, slots: str = "random") -> None:
+    """The cell's calls, cudelta's then vLLM's, each on its own slot set (what ncu profiles); slots:
+    the sets' order, "random" or "consecutive" (Cell.slot_sets)."""
     import torch
 
     impls = {}
@@ -78,11 +86,11 @@ def workload(state: str, B: int, T: int, calls: int, so: str, reason: str) -> No
     cell = mtp_bench.Cell(state, B, T, seed=1000 * B + T)
     sets = max(calls, 2)
     _, pool = cell.pool(1 + sets * B * T, random_bytes=False)
-    slots = cell.slot_sets(sets)
+    slot_sets = cell.slot_sets(sets, consecutive=slots == "consecutive")
     for fn in impls.values():
         call = cell.mtp_call(fn)
         for i in range(calls):
-            call(pool, slots[i])
+            call(pool, slot_sets[i])
         torch.cuda.synchronize()
 
 
@@ -177,11 +185,13 @@ def cell_label(cell: tuple[str, int, int]) -> str:
     return f"{state} B={B} T={T}"
 
 
-def workload_command(cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[str]:
-    """This script's --workload run of the cell, at this process's head shape: the process ncu profiles."""
+def workload_command(cell: tuple[str, int, int], calls: int, so: str, reason: str, slots: str = "random") -> list[str]:
+    """This script's --workload run of the cell, at this process's head shape and slot order: the
+    process ncu profiles."""
     state, B, T = cell
     return [sys.executable, "-P", str(Path(__file__).resolve()), "--workload", f"{state}:{B}:{T}",
-            "--calls", str(calls), "--heads", f"{mtp_bench.H}/{mtp_bench.HV}", "--so", so, "--so-reason", reason]
+            "--calls", str(calls), "--heads", f"{mtp_bench.H}/{mtp_bench.HV}", "--slots", slots, "--so", so,
+            "--so-reason", reason]
 
 
 def write_table(lines: list[str], out: Path | None) -> int:
@@ -207,8 +217,8 @@ def raw_profile(ncu: str, kernels: str, workload: list[str], metrics=()) -> list
     return raw_rows(text)
 
 
-def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str) -> list[dict]:
-    return raw_profile(ncu, KERNELS, workload_command(cell, calls, so, reason))
+def profile(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str, slots: str = "random") -> list[dict]:
+    return raw_profile(ncu, KERNELS, workload_command(cell, calls, so, reason, slots))
 
 
 # --source: each implementation's kernels apart (their launches summed per kernel), the first half
@@ -238,10 +248,10 @@ def source_profiles(ncu: str, kernels: str, skip: int, count: int, workload: lis
 
 
 def profile_source(ncu: str, cell: tuple[str, int, int], calls: int, so: str, reason: str,
-                   kernels: str, page_csv: Path | None = None) -> dict[str, ncu_source.SourceProfile]:
+                   kernels: str, page_csv: Path | None = None, slots: str = "random") -> dict[str, ncu_source.SourceProfile]:
     """The cell's last calls - calls // 2 launches of `kernels` (the first half warm L2's inputs)."""
-    return source_profiles(ncu, kernels, calls // 2, calls - calls // 2, workload_command(cell, calls, so, reason),
-                           page_csv)
+    return source_profiles(ncu, kernels, calls // 2, calls - calls // 2,
+                           workload_command(cell, calls, so, reason, slots), page_csv)
 
 
 def phase_rows(label: str, impl: str, tokens: int, profiles: dict[str, ncu_source.SourceProfile]) -> list[str]:
@@ -279,13 +289,16 @@ def main() -> int:
     parser.add_argument("--pages", type=Path, metavar="DIR",
                         help="with --source: also write ncu's whole source page (CSV) of each cell and "
                              "implementation here")
+    parser.add_argument("--slots", choices=SLOT_ORDERS, default="random",
+                        help="each call's slot set drawn at random over the pool (mtp_bench's) or its slots "
+                             "side by side")
     parser.add_argument("--workload", type=parse_cell, help=argparse.SUPPRESS)
     parser.add_argument("--so", default="", help=argparse.SUPPRESS)
     parser.add_argument("--so-reason", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     mtp_bench.set_heads(*args.heads)
     if args.workload:
-        workload(*args.workload, args.calls, args.so, args.so_reason)
+        workload(*args.workload, args.calls, args.so, args.so_reason, args.slots)
         return 0
     unpacked = tempfile.TemporaryDirectory(prefix="ncu-op-")
     so, reason = mtp_bench.unpack_cuda_op(mtp_bench.cuda_op_archive(None), Path(unpacked.name))
@@ -296,10 +309,11 @@ def main() -> int:
     head = ("| cell | impl | kernel grid x block | " + " | ".join(COLUMNS.values())
             + " | top stalls (cycles per issued instruction) |")
     lines = [f"ncu --clock-control none, caches flushed before each launch; medians of {args.calls} calls; "
-             f"H={mtp_bench.H}, HV={mtp_bench.HV}; {torch.cuda.get_device_name(0)}, torch {torch.__version__}", "", head,
+             f"H={mtp_bench.H}, HV={mtp_bench.HV}; {args.slots} slots; {torch.cuda.get_device_name(0)}, "
+             f"torch {torch.__version__}", "", head,
              "|" + "---|" * (len(COLUMNS) + 4)]
     for cell in args.cells:
-        lines += summarise(cell_label(cell), profile(args.ncu, cell, args.calls, so, reason))
+        lines += summarise(cell_label(cell), profile(args.ncu, cell, args.calls, so, reason, args.slots))
         print(lines[-1], file=sys.stderr, flush=True)
     return write_table(lines, args.out)
 
@@ -307,7 +321,8 @@ def main() -> int:
 def main_source(args, so: str, reason: str, torch) -> int:
     lines = [f"ncu --clock-control none --cache-control none --replay-mode application, warp-stall sampling "
              f"every 32 cycles; the last {args.calls - args.calls // 2} of {args.calls} calls of each implementation, "
-             f"summed; H={mtp_bench.H}, HV={mtp_bench.HV}; {torch.cuda.get_device_name(0)}, torch {torch.__version__}", "",
+             f"summed; H={mtp_bench.H}, HV={mtp_bench.HV}; {args.slots} slots; {torch.cuda.get_device_name(0)}, "
+             f"torch {torch.__version__}", "",
              "| cell | impl | kernel | warp instructions a launch (thousands) | top stalls (% of samples) | "
              "hottest instruction (% of samples) |", "|---|---|---|---|---|---|"]
     phases = ["", "One warp's path (the working warps': the count most instructions ran) before, in and after "
@@ -319,8 +334,9 @@ def main_source(args, so: str, reason: str, torch) -> int:
         for impl, kernels in SOURCE_KERNELS.items():
             if impl == report.VLLM_CUDA and not so:
                 continue
-            page = args.pages / f"{cell[0]}-{cell[1]}-{cell[2]}-{impl}.csv" if args.pages else None
-            profiles = profile_source(args.ncu, cell, args.calls, so, reason, kernels, page)
+            order = "" if args.slots == "random" else f"-{args.slots}"
+            page = args.pages / f"{cell[0]}-{cell[1]}-{cell[2]}-{impl}{order}.csv" if args.pages else None
+            profiles = profile_source(args.ncu, cell, args.calls, so, reason, kernels, page, args.slots)
             lines += summarise_source(cell_label(cell), impl, profiles)
             phases += phase_rows(cell_label(cell), impl, cell[2], profiles)
             print(lines[-1], file=sys.stderr, flush=True)

@@ -30,7 +30,25 @@ def test_the_workload_process_builds_its_cells_at_that_shape(default_heads, monk
     monkeypatch.setattr(ncu_mtp, "workload", lambda *args: seen.append((args, mtp_bench.H, mtp_bench.HV)))
     monkeypatch.setattr(sys, "argv", ["ncu_mtp.py", "--workload", "float32:4:2", "--calls", "6", "--heads", "4/8"])
     assert ncu_mtp.main() == 0
-    assert seen == [(("float32", 4, 2, 6, "", ""), 4, 8)]
+    assert seen == [(("float32", 4, 2, 6, "", "", "random"), 4, 8)]
+
+
+def test_the_slot_order_reaches_the_process_ncu_profiles(default_heads, monkeypatch):
+    command = ncu_mtp.workload_command(("bfloat16", 32, 1), 4, "op.so", "", "consecutive")
+    assert command[command.index("--slots") + 1] == "consecutive"
+    seen = []
+    monkeypatch.setattr(ncu_mtp, "workload", lambda *args: seen.append(args))
+    monkeypatch.setattr(sys, "argv", ["ncu_mtp.py", *command[command.index("--workload"):]])
+    assert ncu_mtp.main() == 0
+    assert seen == [("bfloat16", 32, 1, 4, "op.so", "", "consecutive")]
+
+
+def test_a_slot_order_it_does_not_know_is_refused_naming_the_orders(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["ncu_mtp.py", "--workload", "bfloat16:32:1", "--slots", "sorted"])
+    with pytest.raises(SystemExit):
+        ncu_mtp.main()
+    err = capsys.readouterr().err
+    assert "'sorted'" in err and "random" in err and "consecutive" in err
 
 
 def test_without_heads_the_shape_is_qwen35s(default_heads, monkeypatch):
