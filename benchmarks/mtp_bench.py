@@ -130,6 +130,7 @@ SCALE = K ** -0.5
 FULL = dict(batches=[1, 4, 8, 32, 128, 512], tokens=[1, 2, 4, 8])  # the sweep
 QUICK = dict(batches=[1, 8, 128], tokens=[1, 4])
 STATES = ["bfloat16", "float32"]
+SLOT_ORDERS = ("random", "consecutive")  # Cell.slot_sets: drawn over the pool, or side by side
 # (rtol, fraction of the largest |expected|): bf16 outputs pass through two roundings around the
 # norm (two ulps of 1/128 each); states: fp32 math in another order, or one bf16 ulp.
 TOL_OUT = (1 / 64, 1e-3)

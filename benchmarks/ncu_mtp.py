@@ -41,7 +41,6 @@ import ncu_source  # noqa: E402
 
 DEFAULT_CELLS = ("bfloat16:1:1", "bfloat16:8:2", "bfloat16:32:2", "bfloat16:512:1", "bfloat16:512:2",
                  "bfloat16:512:4", "float32:512:2")
-SLOT_ORDERS = ("random", "consecutive")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis")
 KERNELS = "regex:decode_|gated_rms|gdn_decode_post_conv"
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
@@ -289,7 +288,7 @@ def main() -> int:
     parser.add_argument("--pages", type=Path, metavar="DIR",
                         help="with --source: also write ncu's whole source page (CSV) of each cell and "
                              "implementation here")
-    parser.add_argument("--slots", choices=SLOT_ORDERS, default="random",
+    parser.add_argument("--slots", choices=mtp_bench.SLOT_ORDERS, default="random",
                         help="each call's slot set drawn at random over the pool (mtp_bench's) or its slots "
                              "side by side")
     parser.add_argument("--workload", type=parse_cell, help=argparse.SUPPRESS)

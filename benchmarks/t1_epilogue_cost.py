@@ -21,7 +21,8 @@ outputs, every slot, every other byte of the pool); a call that disagrees stops 
     python -P benchmarks/t1_epilogue_cost.py ... --slots consecutive   # each call's slots side by side
 
 --slots: the timed calls' slot sets drawn at random over the pool (mtp_bench's, the default) or
-consecutive (Cell.slot_sets(..., consecutive=True)): the same pool and bytes, the pages of a call's slots adjacent.
+consecutive (Cell.slot_sets(..., consecutive=True)): the same pool and bytes, the pages of a call's
+slots adjacent.
 
 One process, µs per call; for the issue's tables use mtp_bench.py (medians of 3 processes).
 """
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=bench.FULL["batches"])
     ap.add_argument("--heads", type=bench.parse_heads, default=(bench.H, bench.HV), metavar="H/HV",
                     help=f"q/k heads / v heads, default {bench.H}/{bench.HV} (as mtp_bench.py --heads)")
-    ap.add_argument("--slots", choices=("random", "consecutive"), default="random",
+    ap.add_argument("--slots", choices=bench.SLOT_ORDERS, default="random",
                     help="the timed calls' slot sets: drawn at random over the pool, or side by side")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
