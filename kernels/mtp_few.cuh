@@ -286,7 +286,10 @@ __global__ void __launch_bounds__(BW >= 16 ? 256 : 512, few_blocks_per_sm(BW)) d
 // 36.75 -> 29.5 / 35.1; 4/8 B=16 9.85 / 11.2 -> 9.2 / 10.6, B=32 17.1 / 20.1 -> 16.5 / 19.2 (vLLM
 // 0.34's op 11.0 / 12.55, 31.55 / 38.65, 11.0 / 12.5, 17.5 / 20.45); past that mixed at 7.8 pairs an
 // SM (T = 3 1.007-1.015x, T = 4 0.981-0.987x), slower at 31 (1.06-1.09x;
-// benchmarks/results-few-token-bf16-four.md).
+// benchmarks/results-few-token-bf16-four.md). On an H200 (main's tables at 7f29755, no A/B yet) it
+// took 18.3 µs at T = 4 and 256 pairs, two waves (16/32 B=8, 4/8 B=32), where e804148's streaming
+// kernel had taken 16.8, and 10.1 at 128 pairs against 11.2 (16/32 B=4): a cap at one wave there is
+// the A/B to make (benchmarks/results-h200-7f29755.md).
 constexpr int kFewMaxPairsPerSm = 128;
 constexpr int kFewMaxPairsPerSm4 = 32;
 constexpr int kFewMaxPairsPerSm4Bf16 = 4;
