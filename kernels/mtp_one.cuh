@@ -410,9 +410,9 @@ inline bool one_token_call(const GdnDecodeParams& p) {
 // they fit one wave), two heads of a request a block (level on random slots, 8.81 against 8.50 on
 // consecutive ones), 16 warps of 8 rows (9.41), 4 warps of two tiles (9.53), plain state loads
 // (9.88), state stores plain (9.62) or st.global.wt (9.66). What it pays for is the previous call's
-// write-back of its scattered slots, which none of these moves: under ncu one launch at a time,
-// 9.68 µs random / 8.99 consecutive with the previous call's lines in L2, 9.55 / 9.46 with the
-// caches flushed (benchmarks/results-h100-t1-scatter.md, section 4).
+// write-back of its scattered slots, which the store hints did not move: under ncu, a launch at a
+// time, 9.68 µs random / 8.99 consecutive with the previous call's lines in L2, 9.55 / 9.46 with
+// the caches flushed (benchmarks/results-h100-t1-scatter.md, section 4).
 template <typename ST>
 int launch_vk_one(const GdnDecodeParams& p, cudaStream_t stream) {
   const int64_t pairs = p.N * p.HV, sms = rule_sms(p);
