@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.threshold < 1:
         ap.error(f"--threshold {args.threshold}: a share between 0 and 1 (0.03 is 3%)")
+    if args.base is not None and any(run.resolve() == args.base.resolve() for run in args.runs):
+        # A cell moves only when every run moved it: the base among the runs never has.
+        ap.error(f"--base {args.base} is also one of the runs: nothing can move against itself; "
+                 "name it as --base only")
     try:
         runs = [load_run(f) for f in args.runs]
         base = load_run(args.base) if args.base else None

@@ -99,6 +99,16 @@ def test_the_command_line_prints_both_and_refuses_a_folder_without_numbers(tmp_p
     assert done.returncode == 2 and "--threshold 3.0: a share between 0 and 1" in done.stderr
 
 
+def test_a_base_also_named_as_a_run_is_refused_since_no_cell_could_move(tmp_path):
+    write_run(tmp_path / "base", (16, 32), OLD)
+    write_run(tmp_path / "new", (16, 32), NEW)
+    script = str(Path(c.__file__))
+    done = subprocess.run([sys.executable, script, str(tmp_path / "new"), str(tmp_path / "base" / "."), "--base",
+                           str(tmp_path / "base")], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert f"--base {tmp_path / 'base'} is also one of the runs" in done.stderr
+
+
 def test_the_ratio_table_of_one_head_shape_puts_cudelta_s_time_in_its_corners(tmp_path):
     run = c.load_run(write_run(tmp_path / "a", (16, 32), {**NEW, (64, 4): 125.0}))
     assert c.ratio_table(run[16, 32]).splitlines() == [
