@@ -593,7 +593,7 @@ inline int stream_block_warps(int64_t blocks, int chunks, int64_t sms, bool long
 // one (128 request-head pairs, T = 8, H100) two groups took 1.02-1.13x one's time and four 1.37-1.79x,
 // the short-chunk build's four 8-warp blocks a head 1.24-1.65x (benchmarks/results-h100-d9fced0.md);
 // 4-row chunks at 32/32 heads, B=4, T=8, fp32 / bf16: two 16-warp row groups (vLLM's block count;
-// two waves at 128 registers a thread) 1.05 / 1.37x, one 16- or 8-warp block a head 1.03-1.04 /
+// two waves at 120-124 registers a thread) 1.05 / 1.37x, one 16- or 8-warp block a head 1.03-1.04 /
 // 1.16-1.40x (benchmarks/results-h100-t8-one-wave.md).
 constexpr int kMtpGroupSmShare = 2;
 constexpr int kMtpGroupChunks = 4;
